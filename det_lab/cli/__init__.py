@@ -1,0 +1,1 @@
+"""The ``det-lab`` command line: one module per command group, assembled in :mod:`.app`."""

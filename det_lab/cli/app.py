@@ -1,0 +1,46 @@
+"""The ``det-lab`` application: global options and the command groups."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from det_lab import __version__
+from det_lab.cli import doctor_cmd, volume_cmds
+from det_lab.cli.common import State
+
+app = typer.Typer(
+    name="det-lab",
+    help="A robotics ML team's training platform: Determined, one NFS volume, DVC, MLflow/Aim.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"det-lab {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    ctx: typer.Context,
+    config: Path | None = typer.Option(
+        None, "--config", "-c", envvar="DET_LAB_CONFIG",
+        help="Lab config file (default: ./det-lab.yaml, ~/.config/det-lab/lab.yaml, /etc/det-lab/lab.yaml).",
+    ),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    ctx.obj = State(config)
+
+
+app.command()(volume_cmds.init)
+app.command()(volume_cmds.config)
+app.command()(doctor_cmd.doctor)
+
+
+def main() -> None:
+    app()

@@ -1,0 +1,41 @@
+"""What every det-lab command shares: the console, loading settings, and one-line errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from det_lab.settings import LabConfigError, LabSettings, load_settings
+
+console = Console()
+err_console = Console(stderr=True)
+
+
+class State:
+    """Per-invocation state handed from the app callback to the commands."""
+
+    def __init__(self, config: Path | None) -> None:
+        self.config = config
+        self._settings: LabSettings | None = None
+
+    @property
+    def settings(self) -> LabSettings:
+        if self._settings is None:
+            try:
+                self._settings = load_settings(self.config)
+            except LabConfigError as exc:
+                fail(str(exc))
+        return self._settings
+
+
+def state(ctx: typer.Context) -> State:
+    return ctx.ensure_object(State) if ctx.obj is None else ctx.obj
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    """Print one line to stderr and exit: the only way det-lab reports a user error."""
+    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)

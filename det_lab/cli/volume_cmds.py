@@ -1,0 +1,41 @@
+"""``det-lab init`` and ``det-lab config``: the lab configuration and the shared volume."""
+
+from __future__ import annotations
+
+import typer
+import yaml
+
+from det_lab.cli.common import console, fail, state
+from det_lab.settings import ENV_OVERRIDES
+from det_lab.volume import init_volume
+
+
+def init(ctx: typer.Context) -> None:
+    """Create the shared volume's layout under the data root (idempotent, never overwrites)."""
+    settings = state(ctx).settings
+    try:
+        report = init_volume(settings)
+    except (OSError, ValueError) as exc:
+        fail(f"cannot initialise {settings.data_root}: {exc}")
+    for d in report.created:
+        console.print(f"[green]created[/]  {d}", highlight=False)
+    for d in report.fixed_permissions:
+        console.print(f"[yellow]shared[/]   {d} (setgid, group-writable)", highlight=False)
+    for w in report.warnings:
+        console.print(f"[yellow]warning:[/] {w}", highlight=False)
+    console.print(
+        f"{settings.data_root}: {len(report.created)} directories created, "
+        f"{len(report.existing)} already there, nothing overwritten",
+        highlight=False,
+    )
+
+
+def config(ctx: typer.Context) -> None:
+    """Print the effective lab configuration and where it came from."""
+    settings = state(ctx).settings
+    console.print(f"# source: {settings.source or 'built-in defaults'}", highlight=False)
+    console.print(f"# environment overrides: {', '.join(ENV_OVERRIDES)}", highlight=False)
+    data = settings.model_dump(mode="json")
+    for p in data["projects"].values():
+        p["quota"] = f"{p['quota'] / 2**30:g}GiB"
+    console.print(yaml.safe_dump(data, sort_keys=False), highlight=False, end="")

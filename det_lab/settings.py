@@ -1,0 +1,263 @@
+"""The lab configuration: one validated file shared by every det_lab command.
+
+Where it comes from, first match wins:
+
+1. ``$DET_LAB_CONFIG`` (must exist when set),
+2. ``./det-lab.yaml`` in the current directory,
+3. ``$XDG_CONFIG_HOME/det-lab/lab.yaml`` (``~/.config/det-lab/lab.yaml``),
+4. ``/etc/det-lab/lab.yaml`` (the usual place on a team's machines),
+5. none: built-in defaults.
+
+Environment variables override single keys of whatever file was found (see ``ENV_OVERRIDES``).
+Every problem is raised as :class:`LabConfigError`, whose message is one line naming the file
+(or variable) and the key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlparse
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
+
+DEFAULT_DATA_ROOT = Path("/mnt/data")
+SYSTEM_CONFIG = Path("/etc/det-lab/lab.yaml")
+LOCAL_CONFIG_NAME = "det-lab.yaml"
+BUILTIN_PROJECTS = ("vla", "3dgs", "isaac")
+DEFAULT_QUOTA_BYTES = 500 * 2**30
+
+#: environment variable -> dotted key it overrides
+ENV_OVERRIDES: dict[str, str] = {
+    "DET_LAB_DATA_ROOT": "data_root",
+    "DET_LAB_GROUP": "group",
+    "DET_LAB_TRACKING": "tracking.backend",
+    "MLFLOW_TRACKING_URI": "tracking.mlflow_uri",
+    "DET_LAB_AIM_REPO": "tracking.aim_repo",
+    "DET_LAB_MASTER": "master_url",
+}
+
+_PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+
+
+class LabConfigError(ValueError):
+    """A lab configuration problem, phrased as one line for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ProjectSettings(_Strict):
+    """A project on the shared volume (``datasets/<name>``, ``outputs/<name>`` ...)."""
+
+    quota: ByteSize = ByteSize(DEFAULT_QUOTA_BYTES)
+    description: str = ""
+
+    @field_validator("quota")
+    @classmethod
+    def _positive(cls, v: ByteSize) -> ByteSize:
+        if v <= 0:
+            raise ValueError("must be a positive size such as 500GiB")
+        return v
+
+
+class TrackingSettings(_Strict):
+    """Where metrics are mirrored. ``None`` URIs mean the local default (see the tracking docs)."""
+
+    backend: Literal["mlflow", "aim", "both", "none"] = "mlflow"
+    mlflow_uri: str | None = None
+    aim_repo: str | None = None
+
+    @field_validator("mlflow_uri")
+    @classmethod
+    def _mlflow_uri(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        scheme = urlparse(v).scheme
+        if scheme not in {"http", "https", "sqlite", "file", "postgresql", "mysql"}:
+            raise ValueError(f"{v!r} is not an MLflow tracking URI (http://host:5000 or sqlite:///path)")
+        return v
+
+    @field_validator("aim_repo")
+    @classmethod
+    def _aim_repo(cls, v: str | None) -> str | None:
+        if v is None or v.startswith("/") or v.startswith("~"):
+            return v
+        parsed = urlparse(v)
+        if parsed.scheme != "aim" or not parsed.hostname or not parsed.port:
+            raise ValueError(f"{v!r} is neither aim://host:port nor an absolute path")
+        return v
+
+    @property
+    def uses_mlflow(self) -> bool:
+        return self.backend in ("mlflow", "both")
+
+    @property
+    def uses_aim(self) -> bool:
+        return self.backend in ("aim", "both")
+
+
+class LabSettings(_Strict):
+    """The whole lab configuration."""
+
+    data_root: Path = DEFAULT_DATA_ROOT
+    group: str | None = Field(default=None, description="Unix group that owns the shared volume")
+    projects: dict[str, ProjectSettings] = Field(
+        default_factory=lambda: {name: ProjectSettings() for name in BUILTIN_PROJECTS}
+    )
+    tracking: TrackingSettings = TrackingSettings()
+    master_url: str | None = None
+    source: Path | None = Field(default=None, exclude=True, description="file it was loaded from")
+
+    @field_validator("data_root")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        v = v.expanduser()
+        if not v.is_absolute():
+            raise ValueError(f"{str(v)!r} must be an absolute path")
+        return v
+
+    @field_validator("projects")
+    @classmethod
+    def _project_names(cls, v: dict[str, ProjectSettings]) -> dict[str, ProjectSettings]:
+        for name in v:
+            if not _PROJECT_NAME.match(name):
+                raise ValueError(
+                    f"project name {name!r} must be lower-case letters, digits, '-' or '_'"
+                )
+        return v
+
+    @field_validator("master_url")
+    @classmethod
+    def _master_url(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        parsed = urlparse(v if "://" in v else f"http://{v}")
+        if parsed.scheme not in ("http", "https") or not parsed.hostname:
+            raise ValueError(f"{v!r} is not a master URL such as http://master-host:8080")
+        return f"{parsed.scheme}://{parsed.netloc}"
+
+    def project(self, name: str) -> ProjectSettings:
+        """The settings of project ``name``; a clear error for an unknown one."""
+        try:
+            return self.projects[name]
+        except KeyError:
+            known = ", ".join(sorted(self.projects))
+            raise LabConfigError(f"unknown project {name!r} (known: {known})") from None
+
+
+def find_config_file(env: Mapping[str, str] | None = None, cwd: Path | None = None) -> Path | None:
+    """The lab config file that applies, following the documented search order."""
+    env = os.environ if env is None else env
+    explicit = env.get("DET_LAB_CONFIG")
+    if explicit:
+        path = Path(explicit).expanduser()
+        if not path.is_file():
+            raise LabConfigError(f"DET_LAB_CONFIG={explicit}: no such file")
+        return path
+    xdg = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    for candidate in ((cwd or Path.cwd()) / LOCAL_CONFIG_NAME, xdg / "det-lab" / "lab.yaml", SYSTEM_CONFIG):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_settings(
+    path: Path | str | None = None, env: Mapping[str, str] | None = None
+) -> LabSettings:
+    """Load, merge and validate the lab configuration.
+
+    ``path`` overrides the search; ``env`` defaults to ``os.environ``.
+    """
+    env = os.environ if env is None else env
+    file = Path(path).expanduser() if path is not None else find_config_file(env)
+    raw: dict[str, Any] = _read_yaml(file) if file else {}
+    if file and isinstance(raw.get("data_root"), str):
+        # relative data roots in a file are relative to that file
+        raw["data_root"] = str((file.parent / Path(raw["data_root"]).expanduser()).absolute())
+    if "projects" in raw and isinstance(raw["projects"], dict):
+        # the built-in projects always exist; the file may change their quotas or add more
+        raw["projects"] = {**{p: {} for p in BUILTIN_PROJECTS}, **raw["projects"]}
+    where = str(file) if file else "built-in defaults"
+    _validate(raw, lambda key: f"{where}: {key}")
+
+    for var, key in ENV_OVERRIDES.items():
+        value = env.get(var)
+        if value is None or value == "":
+            continue
+        if key == "data_root":
+            value = str(Path(value).expanduser().absolute())
+        _set_dotted(raw, key, value)
+        _validate(raw, lambda k, var=var, value=value: f"environment variable {var}={value}: {k}")
+    return LabSettings.model_validate({**raw, "source": file})
+
+
+def _read_yaml(file: Path) -> dict[str, Any]:
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise LabConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise LabConfigError(f"{file}{at}: invalid YAML: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise LabConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _validate(raw: dict[str, Any], where) -> None:
+    try:
+        LabSettings.model_validate(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            msg = f"unknown key {key!r}"
+            known = _known_keys(err["loc"][:-1])
+            if known:
+                msg += f" (expected one of: {', '.join(known)})"
+            raise LabConfigError(where(msg)) from None
+        msg = err["msg"].removeprefix("Value error, ")
+        given = err.get("input")
+        if isinstance(given, (str, int, float, bool)) and repr(given) not in msg:
+            msg += f" (got {given!r})"
+        raise LabConfigError(where(f"{key}: {msg}")) from None
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = LabSettings
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None:  # a dict key such as a project name
+            if model is LabSettings:
+                return []
+            continue
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            model = ann
+        elif str(part) == "projects":
+            model = ProjectSettings
+    return [k for k, f in model.model_fields.items() if not f.exclude]
+
+
+def _set_dotted(raw: dict[str, Any], key: str, value: Any) -> None:
+    *parents, leaf = key.split(".")
+    node = raw
+    for p in parents:
+        child = node.get(p)
+        if not isinstance(child, dict):
+            child = {}
+            node[p] = child
+        node = child
+    node[leaf] = value
