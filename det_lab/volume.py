@@ -185,14 +185,14 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o664) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def disk_usage(path: Path) -> int:
-    """Bytes allocated under ``path`` (like ``du -s``), counting hard-linked files once.
+def disk_usage(*paths: Path) -> int:
+    """Bytes allocated under ``paths`` (like ``du -sc``), counting hard-linked files once.
 
-    Symlinks are not followed: a symlinked workspace does not count the cache twice.
+    Symlinks are not followed, and a snapshot hard-linked into the cache counts once.
     """
     seen: set[tuple[int, int]] = set()
     total = 0
-    stack = [path]
+    stack = list(paths)
     while stack:
         current = stack.pop()
         try:
@@ -218,7 +218,7 @@ def disk_usage(path: Path) -> int:
 
 def project_usage(layout: VolumeLayout, project: str) -> int:
     """Bytes ``project`` uses on the volume, the figure its quota is checked against."""
-    return sum(disk_usage(d) for d in layout.project_dirs(project))
+    return disk_usage(*layout.project_dirs(project))
 
 
 class QuotaExceeded(RuntimeError):

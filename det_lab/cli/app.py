@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from det_lab import __version__
-from det_lab.cli import doctor_cmd, volume_cmds
+from det_lab.cli import data_cmds, doctor_cmd, volume_cmds
 from det_lab.cli.common import State
 
 app = typer.Typer(
@@ -40,6 +40,7 @@ def _main(
 app.command()(volume_cmds.init)
 app.command()(volume_cmds.config)
 app.command()(doctor_cmd.doctor)
+app.add_typer(data_cmds.app, name="data")
 
 
 def main() -> None:

@@ -10,7 +10,10 @@ from det_lab.settings import ENV_OVERRIDES
 from det_lab.volume import init_volume
 
 
-def init(ctx: typer.Context) -> None:
+def init(
+    ctx: typer.Context,
+    demo: bool = typer.Option(False, "--demo", help="Also publish the demo datasets (vla-demo, 3dgs-demo)."),
+) -> None:
     """Create the shared volume's layout under the data root (idempotent, never overwrites)."""
     settings = state(ctx).settings
     try:
@@ -28,6 +31,19 @@ def init(ctx: typer.Context) -> None:
         f"{len(report.existing)} already there, nothing overwritten",
         highlight=False,
     )
+    if demo:
+        from det_lab.data import DataError
+        from det_lab.data.demos import publish_demos
+
+        try:
+            with console.status("generating and publishing the demo datasets"):
+                published = publish_demos(settings)
+        except DataError as exc:
+            fail(str(exc))
+        for name in published:
+            console.print(f"[green]published[/] {name} (pull it with: det-lab data pull {name})", highlight=False)
+        if not published:
+            console.print("demo datasets already published", highlight=False)
 
 
 def config(ctx: typer.Context) -> None:

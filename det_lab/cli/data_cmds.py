@@ -1,0 +1,101 @@
+"""``det-lab data ...``: register, pull, inspect and list datasets on the shared volume."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+import typer
+from rich.table import Table
+
+from det_lab import data
+from det_lab.cli.common import console, fail, state
+from det_lab.volume import QuotaExceeded, human_bytes
+
+app = typer.Typer(help="Datasets on the shared volume (DVC): pulled once, used by every trial.", no_args_is_help=True)
+
+
+def _spec_or_name(name: str | None, project: str | None, repo: str | None, path: str | None, rev: str) -> str | data.DatasetSpec:
+    if name and not (repo or path):
+        return name
+    if not (project and repo and path):
+        fail("give a registered dataset NAME, or --project, --repo and --path")
+    return data.DatasetSpec(project=project, repo=repo, path=path, rev=rev)
+
+
+@app.command()
+def register(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Name trials and configs use for it."),
+    project: str = typer.Option(..., help="Project it belongs to (quota, cache)."),
+    repo: str = typer.Option(..., help="Git URL or path of the DVC project repository."),
+    path: str = typer.Option(..., help="DVC-tracked path inside the repository (has a .dvc file)."),
+    rev: str = typer.Option("HEAD", help="Branch, tag or commit."),
+    replace: bool = typer.Option(False, help="Replace an existing registration of NAME."),
+) -> None:
+    """Register a dataset by name after checking that repo, revision and path exist."""
+    settings = state(ctx).settings
+    try:
+        identity = data.register(name, data.DatasetSpec(project, repo, path, rev), settings, replace=replace)
+    except (data.DataError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"registered {name}: {repo} {path}@{rev} (now {identity.commit[:10]}, "
+                  f"{identity.nfiles} files, {human_bytes(identity.size)})", highlight=False)
+
+
+@app.command()
+def pull(
+    ctx: typer.Context,
+    name: str | None = typer.Argument(None, help="Registered dataset name."),
+    project: str | None = typer.Option(None), repo: str | None = typer.Option(None),
+    path: str | None = typer.Option(None), rev: str = typer.Option("HEAD"),
+    as_json: bool = typer.Option(False, "--json", help="Print path and identity as JSON."),
+) -> None:
+    """Fetch a dataset revision into the shared cache once and print where to read it."""
+    settings = state(ctx).settings
+    try:
+        ds = data.pull(_spec_or_name(name, project, repo, path, rev), settings)
+    except (data.DataError, QuotaExceeded, ValueError, TimeoutError) as exc:
+        fail(str(exc))
+    except KeyboardInterrupt:
+        fail("interrupted: nothing partial was published; pull again to finish", code=130)
+    if as_json:
+        typer.echo(json.dumps({"path": str(ds.path), "fetched": ds.fetched, "identity": asdict(ds.identity)}, indent=2))
+        return
+    how = "fetched" if ds.fetched else "already on the volume"
+    console.print(f"{ds.path}  ({how}; {ds.identity.commit[:10]} {ds.identity.md5}, "
+                  f"{ds.identity.nfiles} files, {human_bytes(ds.identity.size)})", highlight=False)
+
+
+@app.command()
+def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered dataset name.")) -> None:
+    """Show what a dataset name resolves to now and whether it is ready on the volume."""
+    settings = state(ctx).settings
+    try:
+        st = data.status(name, settings)
+    except data.DataError as exc:
+        fail(str(exc))
+    i = st.identity
+    console.print(f"{name}: {i.repo} {i.path}@{i.rev} -> commit {i.commit}", highlight=False)
+    console.print(f"  DVC hash {i.md5}, {i.nfiles} files, {human_bytes(i.size)}", highlight=False)
+    console.print(f"  shared cache: {st.cached_files}/{st.total_files} files", highlight=False)
+    console.print(f"  snapshot: {st.snapshot or 'not yet (det-lab data pull ' + name + ')'}", highlight=False)
+
+
+@app.command("list")
+def list_(ctx: typer.Context) -> None:
+    """List datasets and snapshots on the volume with sizes per project."""
+    settings = state(ctx).settings
+    try:
+        listings = data.list_volume(settings)
+    except data.DataError as exc:
+        fail(str(exc))
+    table = Table(title=f"datasets on {settings.data_root}", title_justify="left")
+    for col in ("project", "remote", "cache", "quota", "registered", "snapshots (revision: files)"):
+        table.add_column(col)
+    for lst in listings:
+        snaps = "\n".join(f"{s.path}@{s.commit[:10]}: {s.nfiles}" for s in lst.snapshots) or "-"
+        table.add_row(lst.project, human_bytes(lst.remote_bytes), human_bytes(lst.cache_bytes),
+                      human_bytes(int(settings.projects[lst.project].quota)),
+                      "\n".join(sorted(lst.registered)) or "-", snaps)
+    console.print(table)

@@ -1,0 +1,52 @@
+"""Shared fixtures: an isolated lab (config file + local data root) and a way to run det-lab."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+VENV_BIN = Path(sys.executable).parent
+
+
+@dataclass
+class Lab:
+    """A lab config file and data root under tmp_path, and the environment that selects them."""
+
+    root: Path
+    config: Path
+    env: dict[str, str]
+
+    def write_config(self, **data) -> None:
+        data.setdefault("data_root", str(self.root))
+        self.config.write_text(yaml.safe_dump(data))
+
+    def cli(self, *args: str, check: bool = False) -> subprocess.CompletedProcess:
+        """Run the installed ``det-lab`` console script, as a user would."""
+        proc = subprocess.run(
+            [str(VENV_BIN / "det-lab"), *args], env=self.env, cwd=self.config.parent,
+            capture_output=True, text=True, timeout=300,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"det-lab {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> Lab:
+    root = tmp_path / "data"
+    config = tmp_path / "lab.yaml"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(
+        DET_LAB_CONFIG=str(config),
+        XDG_CONFIG_HOME=str(tmp_path / "xdg-config"),
+        COLUMNS="200",  # rich wraps tables to the terminal width; keep lines whole for asserts
+    )
+    lab = Lab(root=root, config=config, env=env)
+    lab.write_config()
+    return lab

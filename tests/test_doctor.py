@@ -1,0 +1,188 @@
+"""`det-lab doctor` on a missing, read-only, over-quota and healthy data root, and its parsers."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from det_lab.doctor import gpu_report, mount_of, parse_mounts, run_checks
+from det_lab.settings import load_settings
+from tests.conftest import VENV_BIN
+
+
+def doctor_json(lab, *prefix: str) -> tuple[int, dict]:
+    proc = subprocess.run([*prefix, str(VENV_BIN / "det-lab"), "doctor", "--json"], env=lab.env,
+                          capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in proc.stderr, proc.stderr
+    return proc.returncode, json.loads(proc.stdout)
+
+
+def by_name(report: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in report["checks"]}
+
+
+def test_missing_root_fails_with_a_fix(lab):
+    rc, report = doctor_json(lab)
+    assert rc == 1 and report["ok"] is False
+    root = by_name(report)["data root"]
+    assert root["status"] == "fail" and "does not exist" in root["detail"]
+    assert "DET_LAB_DATA_ROOT" in root["fix"] and "det-lab init" in root["fix"]
+    # no per-project lines pretend to know usage of a volume that is not there
+    assert not any(name.startswith("quota ") for name in by_name(report))
+
+
+def test_healthy_root_passes(lab):
+    lab.cli("init", check=True)
+    rc, report = doctor_json(lab)
+    checks = by_name(report)
+    assert rc == 0 and report["ok"] is True, [c for c in report["checks"] if c["status"] == "fail"]
+    for name in ("data root", "data root writable", "layout", "free space", "quota vla", "git", "dvc", "determined"):
+        assert checks[name]["status"] == "pass", checks[name]
+    # on this machine: no Docker, no GPU -> warnings that say local mode still works
+    for c in report["checks"]:
+        if c["status"] == "warn":
+            assert c["fix"], c
+    assert len(report["risks"]) == 5 and all(r["detail"] for r in report["risks"])
+
+
+def test_human_table_lists_every_check_with_fix(lab):
+    lab.cli("init", check=True)
+    proc = lab.cli("doctor")
+    assert proc.returncode == 0
+    for text in ("data root writable", "quota isaac", "docker", "pass", "GPU OOM from concurrent jobs"):
+        assert text in proc.stdout
+
+
+def test_uninitialised_root_warns_to_run_init(lab):
+    lab.root.mkdir()
+    rc, report = doctor_json(lab)
+    assert rc == 0
+    assert by_name(report)["layout"]["status"] == "warn"
+    assert "det-lab init" in by_name(report)["layout"]["fix"]
+
+
+def test_over_quota_fails_only_that_project(lab):
+    lab.write_config(projects={"vla": {"quota": "64KiB"}})
+    lab.cli("init", check=True)
+    (lab.root / "outputs" / "vla" / "big.bin").write_bytes(os.urandom(200_000))
+    rc, report = doctor_json(lab)
+    checks = by_name(report)
+    assert rc == 1
+    assert checks["quota vla"]["status"] == "fail" and "over quota" in checks["quota vla"]["detail"]
+    assert "projects.vla.quota" in checks["quota vla"]["fix"]
+    assert checks["quota 3dgs"]["status"] == "pass"
+    risk = {r["name"]: r for r in report["risks"]}["no disk quota"]
+    assert risk["status"] == "fail"
+
+
+def test_nearly_full_quota_warns(lab):
+    lab.write_config(projects={"3dgs": {"quota": "100KiB"}})
+    lab.cli("init", check=True)
+    (lab.root / "datasets" / "3dgs" / "blob").write_bytes(os.urandom(94 * 1024))
+    _, report = doctor_json(lab)
+    assert by_name(report)["quota 3dgs"]["status"] == "warn"
+
+
+def test_read_only_root_fails(lab):
+    lab.cli("init", check=True)
+    if os.geteuid() == 0:
+        if not shutil.which("unshare"):
+            pytest.skip("root without unshare(1): cannot make a read-only mount")
+        # a real read-only bind mount in a private mount namespace (root ignores mode bits)
+        script = 'mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" && exec "$@"'
+        rc, report = doctor_json(lab, "unshare", "-m", "sh", "-c", script, str(lab.root))
+        assert by_name(report)["shared mount"]["status"] == "fail"
+    else:
+        os.chmod(lab.root, 0o555)
+        try:
+            rc, report = doctor_json(lab)
+        finally:
+            os.chmod(lab.root, 0o2775)
+    writable = by_name(report)["data root writable"]
+    assert rc == 1 and writable["status"] == "fail" and "cannot write" in writable["detail"]
+
+
+def test_nfs_mount_is_recognised_and_soft_mounts_warned(lab, tmp_path):
+    lab.cli("init", check=True)
+    settings = load_settings(lab.config, env={})
+    real = open("/proc/mounts").read()
+    for opts, status in (("rw,relatime,vers=4.2,hard,proto=tcp", "pass"), ("rw,vers=3,soft", "warn")):
+        mounts = tmp_path / "mounts"
+        mounts.write_text(real + f"nas:/export/lab {lab.root} nfs4 {opts} 0 0\n")
+        check = {c.name: c for c in run_checks(settings, mounts_file=mounts)}["shared mount"]
+        assert check.status == status and "nas:/export/lab" in check.detail
+
+
+def test_parse_mounts_picks_the_deepest_mount_and_unescapes():
+    table = parse_mounts(
+        "/dev/sda1 / ext4 rw 0 0\n"
+        "nas:/vol /mnt/data nfs4 rw,hard 0 0\n"
+        "nas:/vol/scratch /mnt/data/my\\040scratch nfs rw,soft 0 0\n"
+    )
+    from pathlib import Path
+    assert mount_of(Path("/mnt/data/datasets/vla"), table).device == "nas:/vol"
+    assert mount_of(Path("/mnt/data/my scratch/x"), table).fstype == "nfs"
+    assert mount_of(Path("/home"), table).mountpoint == Path("/")
+
+
+NVIDIA_SMI_HEADER = """
++-----------------------------------------------------------------------------------------+
+| NVIDIA-SMI 550.54.15              Driver Version: 550.54.15      CUDA Version: 12.4     |
++-----------------------------------------------------------------------------------------+
+"""
+
+
+def test_gpu_report_names_who_holds_each_gpu_and_flags_sharing():
+    me = os.getpid()
+    gpus = ("0, GPU-aaa, NVIDIA RTX 6000 Ada Generation, 30000, 49140, 550.54.15\n"
+            "1, GPU-bbb, NVIDIA RTX 6000 Ada Generation, 0, 49140, 550.54.15\n")
+    apps = f"GPU-aaa, {me}, 20000\nGPU-aaa, 999999999, 10000\n"
+    gpu, cuda = list(gpu_report(gpus, apps, NVIDIA_SMI_HEADER))
+    user = __import__("pwd").getpwuid(os.geteuid()).pw_name
+    assert gpu.status == "warn" and "GPU0" in gpu.detail and f"{user} (pid {me}" in gpu.detail
+    assert "GPU1 NVIDIA RTX 6000 Ada Generation 0/49140 MiB free" in gpu.detail
+    assert "Determined" in gpu.fix
+    assert cuda.status == "pass" and "CUDA <= 12.4" in cuda.detail and "550.54.15" in cuda.detail
+
+    gpu, _ = list(gpu_report(gpus, f"GPU-aaa, {me}, 20000\n", NVIDIA_SMI_HEADER))
+    assert gpu.status == "pass"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_master_check(lab):
+    lab.cli("init", check=True)
+    port = _free_port()
+    lab.write_config(master_url=f"http://127.0.0.1:{port}")
+    rc, report = doctor_json(lab)
+    assert rc == 1 and by_name(report)["master"]["status"] == "fail"
+    assert "det-lab cluster up" in by_name(report)["master"]["fix"]
+
+    class Info(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = json.dumps({"version": "0.38.1", "clusterName": "lab"}).encode()
+            self.send_response(200 if self.path == "/info" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", port), Info)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        rc, report = doctor_json(lab)
+    finally:
+        server.shutdown()
+    assert rc == 0 and by_name(report)["master"]["status"] == "pass"
