@@ -1,0 +1,90 @@
+"""A lock that works across machines on NFS, and recovers from a holder killed with -9.
+
+It is a hardlink lock (``flufl.lock``, which DVC itself ships with), not ``flock``: NFSv3 and
+some NFS servers do not honour ``flock`` across clients. The holder refreshes it from a
+background thread; a holder that dies stops refreshing and its lock expires after ``lifetime``,
+or at once when the holder was a dead process on this very host.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import threading
+import time
+from pathlib import Path
+
+from flufl.lock import Lock, NotLockedError, TimeOutError
+
+DEFAULT_LIFETIME = dt.timedelta(seconds=int(os.environ.get("DET_LAB_LOCK_LIFETIME", "60")))
+
+
+class LockTimeout(TimeoutError):
+    """Raised when the lock was held by a live process for longer than we would wait."""
+
+
+class VolumeLock:
+    """``with VolumeLock(path): ...`` holds ``path`` exclusively across processes and machines."""
+
+    def __init__(self, path: Path, lifetime: dt.timedelta = DEFAULT_LIFETIME, timeout: float = 6 * 3600) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.timeout = timeout
+        self._lock = Lock(str(path), lifetime=lifetime, separator="|")
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+
+    def holder(self) -> str | None:
+        """``host:pid`` of the current holder, or None."""
+        try:
+            host, pid, _ = self._lock.details
+        except (NotLockedError, ValueError, OSError):
+            return None
+        return f"{host}:{pid}"
+
+    def __enter__(self) -> VolumeLock:
+        deadline = time.monotonic() + self.timeout
+        while True:
+            self._break_if_holder_died()
+            try:
+                self._lock.lock(timeout=dt.timedelta(seconds=2))
+                break
+            except TimeOutError:
+                if time.monotonic() > deadline:
+                    raise LockTimeout(f"{self.path} is held by {self.holder()} for over {self.timeout:.0f} s") from None
+        self._stop.clear()
+        self._refresher = threading.Thread(target=self._refresh, name="det-lab-lock-refresh", daemon=True)
+        self._refresher.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._refresher is not None:
+            self._refresher.join()
+        try:
+            self._lock.unlock(unconditionally=True)
+        except OSError:
+            pass  # a lock we can no longer remove expires by itself
+
+    def _refresh(self) -> None:
+        period = self._lock.lifetime.total_seconds() / 3
+        while not self._stop.wait(period):
+            try:
+                self._lock.refresh()
+            except (NotLockedError, OSError):
+                return
+
+    def _break_if_holder_died(self) -> None:
+        try:
+            host, pid, _ = self._lock.details
+        except (NotLockedError, ValueError, OSError):
+            return
+        if host != self._lock.hostname or pid == os.getpid():
+            return
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            # the holder was killed on this host: no need to wait for the lifetime to run out
+            self._lock._break()  # flufl's own breaking routine, as used for expired locks
+        except PermissionError:
+            pass  # alive, owned by another user

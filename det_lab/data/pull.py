@@ -1,0 +1,330 @@
+"""Pulling a DVC dataset revision onto the shared volume, once, for every trial on every machine.
+
+A revision is fetched into the project's shared DVC cache (``dvc-cache/<project>``) under a
+cross-machine lock, then materialised once as an immutable, verified, read-only snapshot
+(``snapshots/<project>/<md5>/<name>``: hard links into the cache, so no extra space). A small
+index maps (repo, commit, path) to the snapshot, so the Nth pull of a revision is two file reads
+and, for a branch or tag, one ``git ls-remote``, however many files the dataset has.
+
+A snapshot directory only ever appears by an atomic rename of a fully verified temporary one,
+so a pull that is interrupted (Ctrl-C, kill -9, a lost machine) leaves nothing that a later pull
+would take as complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import yaml
+from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+from det_lab.data.errors import DataError
+from det_lab.data.git import clone_at, resolve_revision
+from det_lab.data.lock import VolumeLock
+from det_lab.settings import LabSettings
+from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, atomic_write_text, check_quota
+
+SNAPSHOT_MARKER = "snapshot.json"
+READ_ONLY_DIR_MODE = 0o2555
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """Which data to pull: ``path`` (tracked by ``<path>.dvc``) in git ``repo`` at ``rev``."""
+
+    project: str
+    repo: str
+    path: str
+    rev: str = "HEAD"
+
+    def __post_init__(self) -> None:
+        if not self.path or self.path.startswith("/") or ".." in Path(self.path).parts:
+            raise DataError(f"dataset path {self.path!r} must be a relative path inside the repository")
+        if not self.repo:
+            raise DataError("dataset repo must be a git URL or path")
+
+
+@dataclass(frozen=True)
+class DatasetIdentity:
+    """Lineage of a pulled dataset: enough to reproduce it bit for bit."""
+
+    project: str
+    repo: str
+    rev: str
+    commit: str
+    path: str
+    md5: str  # DVC's hash of the output; for a directory, the hash of its ``.dir`` manifest
+    size: int
+    nfiles: int
+
+    def as_tags(self, prefix: str = "dataset.") -> dict[str, str]:
+        return {f"{prefix}{k}": str(v) for k, v in asdict(self).items()}
+
+
+@dataclass(frozen=True)
+class PulledDataset:
+    """A dataset ready to read: ``path`` is read-only and complete."""
+
+    path: Path
+    identity: DatasetIdentity
+    fetched: bool  # True when this call did the fetch, False when it reused a snapshot
+
+
+@dataclass(frozen=True)
+class _Out:
+    md5: str
+    size: int
+    nfiles: int
+
+    @property
+    def is_dir(self) -> bool:
+        return self.md5.endswith(".dir")
+
+    @property
+    def stem(self) -> str:
+        return self.md5.removesuffix(".dir")
+
+
+def pull(spec: DatasetSpec, settings: LabSettings, *, progress: bool | None = None) -> PulledDataset:
+    """Make ``spec`` available on the volume and return where to read it, with its identity."""
+    settings.project(spec.project)  # unknown project: clear error before any work
+    layout = VolumeLayout.from_settings(settings)
+    if not layout.snapshots(spec.project).is_dir():
+        raise DataError(f"{layout.snapshots(spec.project)} does not exist: run 'det-lab init' first")
+    commit = resolve_revision(spec.repo, spec.rev)
+    ready = _from_index(layout, spec, commit)
+    if ready is not None:
+        return ready
+    show = sys.stderr.isatty() if progress is None else progress
+    with tempfile.TemporaryDirectory(prefix="det-lab-pull-") as tmp:
+        ws = Path(tmp) / "ws"
+        clone_at(spec.repo, commit, ws)
+        out = _read_out(ws, spec)
+        identity = DatasetIdentity(spec.project, spec.repo, spec.rev, commit, spec.path, out.md5, out.size, out.nfiles)
+        snap = layout.snapshots(spec.project) / out.stem
+        fetched = False
+        if not _complete(snap):
+            with VolumeLock(layout.locks / f"{spec.project}-{out.stem}.lock"):
+                if not _complete(snap):  # another puller may have finished while we waited
+                    cache = layout.dvc_cache(spec.project)
+                    _configure_workspace(ws, cache, Path(tmp) / "site-cache")
+                    incoming = _bytes_missing(cache, out)
+                    if incoming:
+                        check_quota(settings, spec.project, incoming)
+                    _dvc_fetch(ws, spec, show)
+                    _check_fetched(ws, cache, out, spec)
+                    _materialise(cache, out, snap, Path(spec.path).name, identity, show)
+                    fetched = True
+        _write_index(layout, spec, commit, identity)
+    return PulledDataset(snap / Path(spec.path).name, identity, fetched)
+
+
+# --- the fast path ----------------------------------------------------------------------------
+
+def _index_file(layout: VolumeLayout, spec: DatasetSpec, commit: str) -> Path:
+    key = hashlib.sha256(f"{spec.repo}\0{commit}\0{spec.path}".encode()).hexdigest()[:32]
+    return layout.snapshots(spec.project) / ".index" / f"{key}.json"
+
+
+def _from_index(layout: VolumeLayout, spec: DatasetSpec, commit: str) -> PulledDataset | None:
+    try:
+        data = json.loads(_index_file(layout, spec, commit).read_text())
+    except (OSError, ValueError):
+        return None
+    identity = DatasetIdentity(**{**data, "rev": spec.rev})
+    snap = layout.snapshots(spec.project) / identity.md5.removesuffix(".dir")
+    if not _complete(snap):
+        return None
+    return PulledDataset(snap / Path(spec.path).name, identity, fetched=False)
+
+
+def _write_index(layout: VolumeLayout, spec: DatasetSpec, commit: str, identity: DatasetIdentity) -> None:
+    index = _index_file(layout, spec, commit)
+    index.parent.mkdir(mode=SHARED_DIR_MODE, exist_ok=True)
+    if not index.exists():
+        atomic_write_text(index, json.dumps(asdict(identity), indent=2) + "\n")
+
+
+def _complete(snap: Path) -> bool:
+    return (snap / SNAPSHOT_MARKER).is_file()
+
+
+# --- reading what the revision tracks ---------------------------------------------------------
+
+def _read_out(ws: Path, spec: DatasetSpec) -> _Out:
+    dvc_file = ws / f"{spec.path}.dvc"
+    if not dvc_file.is_file():
+        raise DataError(
+            f"{spec.path!r} is not tracked by DVC at {spec.rev} in {spec.repo} (no {spec.path}.dvc there)"
+        )
+    try:
+        outs = yaml.safe_load(dvc_file.read_text())["outs"]
+        out = outs[0]
+        return _Out(str(out["md5"]), int(out.get("size", 0)), int(out.get("nfiles", 1)))
+    except (KeyError, IndexError, TypeError, ValueError, yaml.YAMLError):
+        raise DataError(f"{spec.path}.dvc at {spec.rev} in {spec.repo} is not a valid DVC file") from None
+
+
+# --- fetching into the shared cache -----------------------------------------------------------
+
+def _configure_workspace(ws: Path, cache: Path, site_cache: Path) -> None:
+    """Point the throwaway workspace at the shared cache (``config.local`` stays untracked)."""
+    if not (ws / ".dvc").is_dir():
+        raise DataError("the dataset repository is not a DVC project (no .dvc directory)")
+    (ws / ".dvc" / "config.local").write_text(
+        "[core]\n"
+        "    hardlink_lock = true\n"  # flock is unreliable on NFS
+        f"    site_cache_dir = {site_cache}\n"
+        "[cache]\n"
+        f"    dir = {cache}\n"
+        "    shared = group\n"
+        "    type = symlink,copy\n"
+    )
+
+
+def cache_object(cache: Path, md5: str) -> Path:
+    return cache / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def _manifest(cache: Path, out: _Out) -> list[dict] | None:
+    try:
+        return json.loads(cache_object(cache, out.md5).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _bytes_missing(cache: Path, out: _Out) -> int:
+    """An upper bound of the bytes a fetch will add to the cache."""
+    entries = _manifest(cache, out) if out.is_dir else [{"md5": out.md5}]
+    if entries is None:
+        return out.size
+    present = 0
+    for e in entries:
+        try:
+            present += cache_object(cache, e["md5"]).stat().st_size
+        except OSError:
+            pass
+    return max(out.size - present, 0)
+
+
+def _dvc_fetch(ws: Path, spec: DatasetSpec, show: bool) -> None:
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    cmd = [sys.executable, "-m", "dvc", "fetch", f"{spec.path}.dvc"]
+    proc = subprocess.run(cmd, cwd=ws, env=env, text=True,
+                          stderr=None if show else subprocess.PIPE, stdout=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        raise DataError(_explain_dvc_error(proc.stderr or "", spec))
+
+
+def _check_fetched(ws: Path, cache: Path, out: _Out, spec: DatasetSpec) -> None:
+    """``dvc fetch`` exits 0 when objects are missing or no remote is set: check the cache."""
+    entries = _manifest(cache, out) if out.is_dir else [{"md5": out.md5}]
+    missing = out.nfiles if entries is None else sum(not cache_object(cache, e["md5"]).is_file() for e in entries)
+    if not missing:
+        return
+    where = f"{spec.path}@{spec.rev} in {spec.repo}"
+    remote = subprocess.run([sys.executable, "-m", "dvc", "remote", "default"], cwd=ws, capture_output=True,
+                            text=True, env={**os.environ, "DVC_NO_ANALYTICS": "1"}).stdout.strip()
+    if not remote or remote.startswith("No default remote"):
+        raise DataError(f"{where}: the repository has no default DVC remote (run 'dvc remote add -d ...' there)")
+    raise DataError(f"{where}: its DVC remote {remote!r} lacks {missing} of {out.nfiles} files (was 'dvc push' run?)")
+
+
+def _explain_dvc_error(stderr: str, spec: DatasetSpec) -> str:
+    lines = [ln.strip() for ln in stderr.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR")]
+    text = " ".join(errors) if errors else (lines[-1] if lines else "dvc fetch failed")
+    where = f"{spec.path}@{spec.rev} in {spec.repo}"
+    lowered = text.lower()
+    if "no remote" in lowered:
+        return f"{where}: the repository has no default DVC remote (run 'dvc remote add -d ...' there)"
+    if "credential" in lowered or "access denied" in lowered or "403" in lowered or "401" in lowered:
+        return f"{where}: no credentials for its DVC remote: {text.removeprefix('ERROR: ')}"
+    if "missing" in lowered or "does not exist" in lowered or "not on remote" in lowered:
+        return f"{where}: its DVC remote lacks some files (was 'dvc push' run?): {text.removeprefix('ERROR: ')}"
+    return f"{where}: dvc fetch failed: {text.removeprefix('ERROR: ')}"
+
+
+# --- the immutable snapshot -------------------------------------------------------------------
+
+def _materialise(cache: Path, out: _Out, snap: Path, name: str, identity: DatasetIdentity, show: bool) -> None:
+    """Build, verify and atomically publish the read-only snapshot of ``out``."""
+    parent = snap.parent
+    for stale in parent.glob(f".tmp-{out.stem}-*"):  # left by a killed puller; we hold the lock
+        _force_rmtree(stale)
+    if out.is_dir:
+        entries = _manifest(cache, out)
+        if entries is None:
+            raise DataError(f"DVC fetched {identity.path} but its manifest {out.md5} is not in {cache}")
+    else:
+        entries = [{"md5": out.md5, "relpath": ""}]
+    tmp = parent / f".tmp-{out.stem}-{uuid.uuid4().hex[:8]}"
+    try:
+        root = tmp / name
+        for e, obj in _progress(entries, cache, show, f"verifying {identity.path}"):
+            dest = root / e["relpath"] if e["relpath"] else root
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            _link_or_copy(obj, dest)
+        marker = {"identity": asdict(identity), "files": len(entries), "verified": "md5 of every file"}
+        atomic_write_text(tmp / SNAPSHOT_MARKER, json.dumps(marker, indent=2) + "\n", mode=0o444)
+        for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
+            os.chmod(d, READ_ONLY_DIR_MODE)
+        os.chmod(tmp, READ_ONLY_DIR_MODE)
+        os.rename(tmp, snap)
+    except BaseException:
+        _force_rmtree(tmp)
+        raise
+
+
+def _progress(entries: list[dict], cache: Path, show: bool, label: str) -> Iterator[tuple[dict, Path]]:
+    """Yield (entry, verified cache object), hashing each object once, with a progress bar."""
+    sizes = {}
+    for e in entries:
+        obj = cache_object(cache, e["md5"])
+        try:
+            sizes[e["md5"]] = obj.stat().st_size
+        except FileNotFoundError:
+            raise DataError(f"{label.split()[-1]}: {obj} is missing from the cache after dvc fetch") from None
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not show, transient=True) as bar:
+        task = bar.add_task(label, total=sum(sizes.values()))
+        for e in entries:
+            obj = cache_object(cache, e["md5"])
+            if _md5(obj) != e["md5"]:
+                raise DataError(f"{obj} is corrupt (md5 mismatch): remove it and pull again")
+            bar.advance(task, sizes[e["md5"]])
+            yield e, obj
+
+
+def _md5(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "md5").hexdigest()
+
+
+def _link_or_copy(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)  # same volume: no extra space, and the cache object is already 0444
+    except OSError:
+        shutil.copyfile(src, dest)  # another filesystem, or the hard-link limit reached
+        os.chmod(dest, 0o444)
+
+
+def _force_rmtree(path: Path) -> None:
+    if not path.exists():
+        return
+    for d in [path, *(p for p in path.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        try:
+            os.chmod(d, 0o2775)
+        except OSError:
+            pass
+    shutil.rmtree(path, ignore_errors=True)

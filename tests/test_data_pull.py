@@ -1,0 +1,336 @@
+"""Datasets with real git + DVC repositories on a local stand-in for the NFS volume."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from det_lab import data
+from det_lab.data import DataError, DatasetSpec
+from det_lab.data.git import git
+from det_lab.data.publish import publish_directory
+from det_lab.settings import load_settings
+from det_lab.volume import QuotaExceeded, VolumeLayout, disk_usage, init_volume
+from tests.conftest import VENV_BIN
+
+
+def make_files(root: Path, n: int, size: int, seed: int = 0) -> dict[str, str]:
+    """n files of ``size`` random bytes; returns relpath -> md5."""
+    rng = __import__("random").Random(seed)
+    out = {}
+    for i in range(n):
+        p = root / f"part{i % 7}" / f"f{i:05d}.bin"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        blob = rng.randbytes(size)
+        p.write_bytes(blob)
+        out[str(p.relative_to(root))] = hashlib.md5(blob).hexdigest()
+    return out
+
+
+def tree_md5(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.md5(p.read_bytes()).hexdigest()
+            for p in root.rglob("*") if p.is_file()}
+
+
+def cache_objects(layout: VolumeLayout, project: str) -> list[Path]:
+    return [p for p in (layout.dvc_cache(project) / "files").rglob("*") if p.is_file()]
+
+
+@pytest.fixture
+def volume(lab):
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    return settings
+
+
+@pytest.fixture
+def published(volume, tmp_path):
+    """A 60-file dataset published as 'toy' in project vla, plus its expected contents."""
+    src = tmp_path / "src"
+    expected = make_files(src, 60, 4096)
+    spec = publish_directory(volume, "vla", "toy", src, "toy v1")
+    return spec, expected
+
+
+def cli_pull(lab, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([str(VENV_BIN / "det-lab"), "data", "pull", "--json", *args], env=lab.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_first_pull_gives_verified_read_only_data_and_lineage(volume, published):
+    spec, expected = published
+    ds = data.pull("toy", volume)
+    assert ds.fetched
+    assert tree_md5(ds.path) == expected
+    ident = ds.identity
+    assert ident.commit == git("rev-parse", "main", cwd=Path(spec.repo)).strip()
+    assert ident.md5.endswith(".dir") and ident.nfiles == 60 and ident.size == 60 * 4096
+    assert ident.as_tags()["dataset.commit"] == ident.commit
+    with pytest.raises(PermissionError if os.geteuid() else OSError):
+        if os.geteuid() == 0:  # root bypasses modes; the read-only mode bits are what we can check
+            assert not os.stat(ds.path).st_mode & 0o222
+            raise OSError("read-only")
+        (ds.path / "new").write_text("x")
+    # the snapshot is hard links into the cache: the revision is stored once
+    layout = VolumeLayout(volume.data_root)
+    both = disk_usage(layout.dvc_cache("vla"), layout.snapshots("vla"))
+    assert both - disk_usage(layout.dvc_cache("vla")) < 64 * 1024
+
+
+def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(lab, volume, published):
+    data.pull("toy", volume)
+    layout = VolumeLayout(volume.data_root)
+    objects_before = sorted(cache_objects(layout, "vla"))
+    # "another machine": a separate process, and the DVC remote is gone, so nothing can be fetched
+    remote_files = layout.datasets("vla") / "files"
+    remote_files.rename(remote_files.with_name("files.away"))
+    proc = cli_pull(lab, "toy")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out)
+    assert result["fetched"] is False
+    assert tree_md5(Path(result["path"])) == published[1]
+    assert sorted(cache_objects(layout, "vla")) == objects_before
+
+
+def test_nth_pull_is_fast_and_independent_of_file_count(volume, published):
+    data.pull("toy", volume)
+    spec = data.load_registry(volume)["toy"]
+    pinned = DatasetSpec(spec.project, spec.repo, spec.path, rev=data.pull("toy", volume).identity.commit)
+    data.pull(pinned, volume)
+    start = time.perf_counter()
+    for _ in range(20):
+        assert not data.pull(pinned, volume).fetched
+    per_pull = (time.perf_counter() - start) / 20
+    assert per_pull < 0.05, f"Nth pull of a pinned revision took {per_pull * 1000:.1f} ms"
+
+
+def test_four_concurrent_pulls_store_each_object_once(lab, volume, tmp_path):
+    src = tmp_path / "src"
+    expected = make_files(src, 300, 16 * 1024, seed=4)
+    publish_directory(volume, "vla", "conc", src, "conc")
+    procs = [cli_pull(lab, "conc") for _ in range(4)]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err
+        results.append(json.loads(out))
+    assert len({r["path"] for r in results}) == 1
+    assert sum(r["fetched"] for r in results) == 1  # one did the work, three waited and reused it
+    assert tree_md5(Path(results[0]["path"])) == expected
+    layout = VolumeLayout(volume.data_root)
+    objects = cache_objects(layout, "vla")
+    assert len(objects) == 300 + 1  # every file once, plus the .dir manifest
+    snaps = [p for p in layout.snapshots("vla").iterdir() if not p.name.startswith(".")]
+    assert len(snaps) == 1
+    assert not list(layout.snapshots("vla").glob(".tmp-*"))
+
+
+def test_new_revision_shares_unchanged_objects(volume, tmp_path):
+    src = tmp_path / "src"
+    make_files(src, 40, 4096)
+    publish_directory(volume, "vla", "evolving", src, "v1")
+    first = data.pull("evolving", volume)
+    (src / "part0" / "f00000.bin").write_bytes(b"changed")
+    publish_directory(volume, "vla", "evolving", src, "v2")
+    second = data.pull("evolving", volume)
+    assert second.fetched and second.path != first.path
+    assert (second.path / "part0" / "f00000.bin").read_bytes() == b"changed"
+    assert (first.path / "part0" / "f00000.bin").read_bytes() != b"changed"  # old revision intact
+    layout = VolumeLayout(volume.data_root)
+    assert len(cache_objects(layout, "vla")) == 40 + 1 + 1 + 1  # one new file, two manifests
+
+
+def test_quota_refusal_writes_nothing(lab, tmp_path):
+    lab.write_config(projects={"vla": {"quota": "200KiB"}})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    src = tmp_path / "src"
+    make_files(src, 10, 64 * 1024)  # 640 KiB
+    # publishing writes only the remote and git repo; they count, so use a roomy quota for it
+    roomy = settings.model_copy(update={"projects": {**settings.projects, "vla": settings.projects["3dgs"]}})
+    publish_directory(roomy, "vla", "big", src, "big")
+    layout = VolumeLayout(settings.data_root)
+    with pytest.raises(QuotaExceeded, match="project 'vla' would use"):
+        data.pull("big", settings)
+    assert cache_objects(layout, "vla") == []
+    assert [p for p in layout.snapshots("vla").iterdir() if not p.name.startswith(".")] == []
+
+
+def _wait_for(predicate, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.005)
+    return False
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
+def test_interrupted_pull_leaves_nothing_taken_as_complete(lab, volume, tmp_path, sig):
+    src = tmp_path / "src"
+    expected = make_files(src, 40, 2 * 1024 * 1024, seed=7)  # 80 MiB: slow enough to interrupt
+    publish_directory(volume, "vla", "big", src, "big")
+    layout = VolumeLayout(volume.data_root)
+    proc = cli_pull(lab, "big")
+    started = _wait_for(lambda: bool(cache_objects(layout, "vla")) or proc.poll() is not None)
+    assert started and proc.poll() is None, "pull finished before it could be interrupted"
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    if sig == signal.SIGINT:
+        assert "Traceback" not in err
+    # nothing published: no snapshot, no index entry
+    assert [p for p in layout.snapshots("vla").iterdir() if p.name not in (".index",) and not p.name.startswith(".tmp-")] == []
+    assert not list((layout.snapshots("vla") / ".index").glob("*.json")) if (layout.snapshots("vla") / ".index").exists() else True
+    # the next pull completes (breaking a lock held by a dead process) and verifies everything
+    again = cli_pull(lab, "big")
+    out, err = again.communicate(timeout=300)
+    assert again.returncode == 0, err
+    result = json.loads(out)
+    assert result["fetched"] is True
+    assert tree_md5(Path(result["path"])) == expected
+    assert not list(layout.snapshots("vla").glob(".tmp-*"))
+
+
+def _forget_snapshots(layout: VolumeLayout, project: str) -> None:
+    for snap in layout.snapshots(project).iterdir():
+        if snap.name == ".index":
+            for idx in snap.glob("*.json"):
+                idx.unlink()
+            continue
+        for d in (snap, *[p for p in snap.rglob("*") if p.is_dir()]):
+            os.chmod(d, 0o755)
+        __import__("shutil").rmtree(snap)
+
+
+def _rot(path: Path) -> None:
+    os.chmod(path, 0o644)
+    path.write_bytes(b"bit rot")
+
+
+def test_corrupt_objects_are_repaired_or_refused(volume, published):
+    spec, expected = published
+    layout = VolumeLayout(volume.data_root)
+    data.pull("toy", volume)
+    _forget_snapshots(layout, "vla")
+    victim = next(p for p in cache_objects(layout, "vla") if not p.name.endswith(".dir"))
+    _rot(victim)
+    # a rotten cache object with a good remote copy: fetched again, the snapshot is correct
+    assert tree_md5(data.pull("toy", volume).path) == expected
+
+    _forget_snapshots(layout, "vla")
+    _rot(victim)
+    _rot(layout.datasets("vla") / victim.relative_to(layout.dvc_cache("vla")))
+    with pytest.raises(DataError, match="corrupt|lacks 1 of 60 files"):
+        data.pull("toy", volume)
+    assert [p for p in layout.snapshots("vla").iterdir() if not p.name.startswith(".")] == []
+
+
+# --- bad input: each is one line naming what is wrong -----------------------------------------
+
+def test_missing_repo(volume):
+    with pytest.raises(DataError, match="git repository /no/such/repo not found"):
+        data.pull(DatasetSpec("vla", "/no/such/repo", "data/x"), volume)
+
+
+def test_missing_revision(volume, published):
+    spec, _ = published
+    with pytest.raises(DataError, match="revision 'v9' not found"):
+        data.pull(DatasetSpec("vla", spec.repo, spec.path, rev="v9"), volume)
+    with pytest.raises(DataError, match="revision .* not found"):
+        data.pull(DatasetSpec("vla", spec.repo, spec.path, rev="0" * 40), volume)
+
+
+def test_missing_path(volume, published):
+    spec, _ = published
+    with pytest.raises(DataError, match=r"'data/nope' is not tracked by DVC .* \(no data/nope.dvc there\)"):
+        data.pull(DatasetSpec("vla", spec.repo, "data/nope", rev="main"), volume)
+
+
+def test_missing_remote(volume, tmp_path):
+    repo = tmp_path / "noremote"
+    repo.mkdir()
+    git("init", "--quiet", "--initial-branch=main", str(repo))
+    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
+    subprocess.run([str(VENV_BIN / "dvc"), "init", "-q"], cwd=repo, check=True, env=env)
+    make_files(repo / "data" / "d", 3, 100)
+    subprocess.run([str(VENV_BIN / "dvc"), "add", "-q", "data/d"], cwd=repo, check=True, env=env)
+    git("add", "-A", cwd=repo)
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x", cwd=repo)
+    with pytest.raises(DataError, match="no default DVC remote"):
+        data.pull(DatasetSpec("vla", str(repo), "data/d", rev="main"), volume)
+
+
+def test_remote_without_the_objects(volume, published):
+    spec, _ = published
+    layout = VolumeLayout(volume.data_root)
+    files = layout.datasets("vla") / "files"
+    files.rename(files.with_name("gone"))
+    with pytest.raises(DataError, match="its DVC remote 'volume' lacks 60 of 60 files"):
+        data.pull(DatasetSpec(spec.project, spec.repo, spec.path, spec.rev), volume)
+
+
+def test_missing_credentials(volume):
+    """A git server that wants a password: git must not prompt; the error says credentials."""
+
+    class NeedsAuth(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(401)
+            self.send_header("WWW-Authenticate", 'Basic realm="git"')
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), NeedsAuth)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/lab/data.git"
+        with pytest.raises(DataError, match="no credentials for git repository"):
+            data.pull(DatasetSpec("vla", url, "data/x", rev="main"), volume)
+    finally:
+        server.shutdown()
+
+
+def test_unknown_project_and_bad_names(volume, published):
+    spec, _ = published
+    with pytest.raises(ValueError, match="unknown project 'nerf'"):
+        data.pull(DatasetSpec("nerf", spec.repo, spec.path), volume)
+    with pytest.raises(DataError, match="relative path"):
+        DatasetSpec("vla", spec.repo, "/abs/path")
+    with pytest.raises(DataError, match="no dataset named 'nope'"):
+        data.pull("nope", volume)
+
+
+def test_cli_errors_are_one_line(lab, volume):
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "data", "pull", "--project", "vla", "--repo", "/nowhere",
+                           "--path", "d"], env=lab.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "/nowhere" in proc.stderr
+
+
+def test_register_checks_the_spec_and_list_shows_it(lab, volume, published):
+    spec, _ = published
+    with pytest.raises(DataError, match="not tracked by DVC"):
+        data.register("broken", DatasetSpec("vla", spec.repo, "data/missing", "main"), volume)
+    ident = data.register("toy-pinned", DatasetSpec("vla", spec.repo, spec.path, "main"), volume)
+    assert ident.nfiles == 60
+    with pytest.raises(DataError, match="already registered"):
+        data.register("toy-pinned", DatasetSpec("vla", spec.repo, spec.path, ident.commit), volume)
+    data.pull("toy-pinned", volume)
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "data", "list"], env=lab.env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "toy-pinned" in proc.stdout and "data/toy@" in proc.stdout
+    st = data.status("toy-pinned", volume)
+    assert st.snapshot is not None and st.cached_files == st.total_files == 60
