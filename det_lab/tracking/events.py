@@ -1,0 +1,82 @@
+"""What the mirror carries: a run's identity and the events recorded for it.
+
+Events are plain, JSON-serialisable dataclasses so that the journal can store them and replay
+them in order after an outage or a restart.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, Union
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """Identity of a tracker run.
+
+    ``key`` is stable across restarts of the same trial (for example
+    ``det-<cluster>-e12-t34``): a resumed trial continues the tracker run with that key.
+    """
+
+    key: str
+    name: str
+    experiment: str = "det_lab"  # MLflow experiment / Aim experiment the run belongs to
+    tags: dict[str, str] = field(default_factory=dict)  # experiment/trial ids, URL, lineage, versions
+
+
+@dataclass(frozen=True)
+class Metrics:
+    kind: ClassVar[str] = "metrics"
+    group: str  # Determined's group: "training", "validation" or a custom one
+    step: int
+    values: dict[str, float]
+    timestamp: float = field(default_factory=time.time)
+
+
+@dataclass(frozen=True)
+class Params:
+    kind: ClassVar[str] = "params"
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Tags:
+    kind: ClassVar[str] = "tags"
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    kind: ClassVar[str] = "checkpoint"
+    uuid: str
+    step: int
+    metadata: dict[str, Any] = field(default_factory=dict)
+    timestamp: float = field(default_factory=time.time)
+
+
+Event = Union[Metrics, Params, Tags, Checkpoint]
+_KINDS: dict[str, type] = {cls.kind: cls for cls in (Metrics, Params, Tags, Checkpoint)}
+
+
+def to_record(seq: int, event: Event) -> dict[str, Any]:
+    return {"seq": seq, "kind": event.kind, **asdict(event)}
+
+
+def from_record(record: dict[str, Any]) -> tuple[int, Event]:
+    record = dict(record)
+    seq = record.pop("seq")
+    cls = _KINDS[record.pop("kind")]
+    return seq, cls(**record)
+
+
+def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """Nested hyperparameters as dotted string params (``optimizer.lr`` -> ``"0.001"``)."""
+    out: dict[str, str] = {}
+    for k, v in params.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{key}."))
+        else:
+            out[key] = str(v)
+    return out

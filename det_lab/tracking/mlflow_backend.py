@@ -1,0 +1,106 @@
+"""MLflow backend: one MLflow run per trial, metrics sent with ``log_batch``.
+
+Metric keys are ``<group>/<name>`` (``training/loss``, ``validation/val_loss``). MLflow's own
+retries (7 tries, about 4 minutes of backoff per call by default) are turned down: the mirror
+retries by itself and must notice an outage in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from det_lab.tracking.backend import RunStatus, TrackerBackend
+from det_lab.tracking.events import Checkpoint, Event, Metrics, Params, RunInfo, Tags
+
+RUN_KEY_TAG = "det_lab.run_key"
+MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
+MAX_TAG_VALUE, MAX_PARAM_VALUE = 8000, 6000
+
+# read by MLflow at each request; a user's explicit setting wins
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+
+
+def default_local_uri() -> str:
+    """A SQLite store on local disk (never on NFS): ``~/.local/share/det-lab/mlflow.db``."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "det-lab"
+    base.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{base / 'mlflow.db'}"
+
+
+class MlflowBackend(TrackerBackend):
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None) -> None:
+        from mlflow.tracking import MlflowClient
+
+        self.uri = tracking_uri or default_local_uri()
+        self._client = MlflowClient(tracking_uri=self.uri)
+        self._run_id: str | None = None
+        self._params: dict[str, str] = {}
+
+    def describe(self) -> str:
+        return f"MLflow {self.uri}"
+
+    def open(self, run: RunInfo, resume_id: str | None) -> str:
+        client = self._client
+        exp = client.get_experiment_by_name(run.experiment)
+        exp_id = exp.experiment_id if exp else client.create_experiment(run.experiment)
+        run_id = resume_id if resume_id and self._exists(resume_id) else self._find(exp_id, run.key)
+        if run_id is None:
+            tags = {RUN_KEY_TAG: run.key, **{k: v[:MAX_TAG_VALUE] for k, v in run.tags.items()}}
+            run_id = client.create_run(exp_id, run_name=run.name, tags=tags).info.run_id
+        else:
+            client.update_run(run_id, status="RUNNING")
+        self._params = dict(client.get_run(run_id).data.params)
+        self._run_id = run_id
+        return run_id
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+
+        try:
+            self._client.get_run(run_id)
+            return True
+        except MlflowException as exc:
+            if exc.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise
+
+    def _find(self, exp_id: str, key: str) -> str | None:
+        runs = self._client.search_runs([exp_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'", max_results=1)
+        return runs[0].info.run_id if runs else None
+
+    def deliver(self, events: Sequence[Event]) -> None:
+        from mlflow.entities import Metric, Param, RunTag
+
+        metrics: list[Metric] = []
+        params: dict[str, str] = {}
+        tags: dict[str, str] = {}
+        for e in events:
+            if isinstance(e, Metrics):
+                ts = int(e.timestamp * 1000)
+                metrics += [Metric(f"{e.group}/{k}", v, ts, e.step) for k, v in e.values.items()]
+            elif isinstance(e, Params):
+                # MLflow params are immutable: a resumed trial re-sends them; send only new keys
+                params.update({k: v[:MAX_PARAM_VALUE] for k, v in e.values.items() if k not in self._params})
+            elif isinstance(e, Tags):
+                tags.update({k: v[:MAX_TAG_VALUE] for k, v in e.values.items()})
+            elif isinstance(e, Checkpoint):
+                tags["det_lab.checkpoint.latest"] = e.uuid
+                tags[f"det_lab.checkpoint.{e.uuid}"] = json.dumps({"step": e.step, **e.metadata}, default=str)[:MAX_TAG_VALUE]
+        assert self._run_id is not None, "open() first"
+        for i in range(0, len(metrics), MAX_METRICS):
+            self._client.log_batch(self._run_id, metrics=metrics[i:i + MAX_METRICS], synchronous=True)
+        p, t = list(params.items()), list(tags.items())
+        for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS):
+            self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in p[i:i + MAX_PARAMS_TAGS]],
+                                   tags=[RunTag(k, v) for k, v in t[i:i + MAX_PARAMS_TAGS]], synchronous=True)
+        self._params.update(params)
+
+    def close(self, status: RunStatus) -> None:
+        if self._run_id is not None:
+            self._client.set_terminated(self._run_id, status=status)
