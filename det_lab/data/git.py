@@ -64,3 +64,16 @@ def clone_at(repo: str, commit: str, dest: Path) -> None:
 
 def head_commit(repo_dir: Path) -> str:
     return git("rev-parse", "HEAD", cwd=repo_dir).strip()
+
+
+def describe_commit(path: Path) -> str | None:
+    """HEAD of the working tree holding ``path``, with ``-dirty`` if it has local changes; None
+    outside git."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=path, capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "status", "--porcelain", "."], cwd=path, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")

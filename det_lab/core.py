@@ -1,0 +1,101 @@
+"""``det_lab.core.init``: Determined's Core API context, with det_lab's session around it.
+
+    import det_lab.core
+    with det_lab.core.init() as ctx:
+        data_dir = ctx.dataset.path
+        for step in range(start, total):
+            ...
+            ctx.train.report_training_metrics(step, {"loss": loss})
+            if ctx.preempt.should_preempt(): ...
+
+Everything of ``det.core.Context`` is there (``train``, ``checkpoint``, ``preempt``,
+``distributed``, ``searcher``), instrumented; plus ``dataset``, ``hparams``,
+``latest_checkpoint`` and ``session``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from determined import core as det_core
+
+from det_lab.data import PulledDataset
+from det_lab.settings import LabSettings, load_settings
+from det_lab.trials.expconf import lab_section
+from det_lab.trials.session import LabSession, current_trial
+from det_lab.trials.shims import harness_shims
+from det_lab.volume import VolumeLayout
+
+
+@dataclass
+class LabContext:
+    """``det.core.Context`` plus what det_lab prepared for the trial."""
+
+    core: Any
+    session: LabSession
+
+    @property
+    def train(self):
+        return self.core.train
+
+    @property
+    def checkpoint(self):
+        return self.core.checkpoint
+
+    @property
+    def preempt(self):
+        return self.core.preempt
+
+    @property
+    def distributed(self):
+        return self.core.distributed
+
+    @property
+    def searcher(self):
+        return self.core.searcher
+
+    @property
+    def dataset(self) -> PulledDataset | None:
+        return self.session.dataset
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.session.identity.hparams
+
+    @property
+    def latest_checkpoint(self) -> str | None:
+        return self.session.identity.latest_checkpoint
+
+
+def local_checkpoint_dir(settings: LabSettings, project: str) -> Path:
+    """Where off-cluster checkpoints go: ``<data root>/checkpoints/<project>``."""
+    return VolumeLayout.from_settings(settings).project_checkpoints(project)
+
+
+@contextlib.contextmanager
+def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None = None,
+         hparams: dict[str, Any] | None = None, distributed: Any = None,
+         checkpoint_storage: str | None = None) -> Iterator[LabContext]:
+    """Mirror of ``det.core.init`` for det_lab trials; see the module docstring."""
+    settings = settings or load_settings()
+    identity = current_trial(exp_conf, hparams)
+    lab = lab_section(identity.exp_conf)
+    ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project))
+    with harness_shims(ckpt, [settings.data_root]):
+        kwargs: dict[str, Any] = {"distributed": distributed}
+        if ckpt is not None:
+            kwargs["checkpoint_storage"] = str(ckpt)
+        elif checkpoint_storage is not None:
+            kwargs["checkpoint_storage"] = checkpoint_storage
+        with det_core.init(**kwargs) as core_context:
+            session = LabSession(settings, identity, core_context, lab).start()
+            status = "FAILED"
+            try:
+                yield LabContext(core_context, session)
+                status = "FINISHED"
+            finally:
+                session.close(status)

@@ -1,0 +1,105 @@
+"""det_lab's part of a Determined experiment config, and the training lengths in it.
+
+A template's config carries det_lab's settings under ``data.det_lab`` (Determined passes
+``data`` through untouched)::
+
+    data:
+      det_lab:
+        project: vla
+        dataset: vla-demo                  # a registered name, or {repo:, path:, rev:}
+        tracking: mlflow                   # optional: overrides the lab config's backend
+        max_length: {batches: 600}         # training length (ASHA's max_time wins when set)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from det_lab.data import DatasetSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DatasetRef(_Strict):
+    repo: str
+    path: str
+    rev: str = "HEAD"
+
+
+class Length(_Strict):
+    batches: int | None = None
+    epochs: int | None = None
+
+    @model_validator(mode="after")
+    def _one(self) -> Length:
+        if (self.batches is None) == (self.epochs is None):
+            raise ValueError("give exactly one of batches or epochs")
+        if (self.batches or self.epochs or 0) <= 0:
+            raise ValueError("must be positive")
+        return self
+
+    def unit(self):
+        from determined import pytorch
+
+        return pytorch.Batch(self.batches) if self.batches else pytorch.Epoch(self.epochs)
+
+    @property
+    def value(self) -> int:
+        return self.batches or self.epochs or 0
+
+
+class LabTrialConfig(_Strict):
+    project: str
+    dataset: str | DatasetRef | None = None
+    tracking: Literal["mlflow", "aim", "both", "none"] | None = None
+    max_length: Length | None = None
+    reporting_batches: int | None = None  # how often training metrics are reported (default 100)
+
+    def dataset_spec(self, lookup) -> DatasetSpec | None:
+        """The spec to pull: a registered name is resolved through ``lookup(name)``."""
+        if self.dataset is None:
+            return None
+        if isinstance(self.dataset, str):
+            return lookup(self.dataset)
+        return DatasetSpec(self.project, self.dataset.repo, self.dataset.path, self.dataset.rev)
+
+
+class ExpConfError(ValueError):
+    """A problem in an experiment config, as one line naming the key."""
+
+
+def lab_section(exp_conf: dict[str, Any], source: str = "experiment config") -> LabTrialConfig:
+    section = ((exp_conf.get("data") or {}).get("det_lab"))
+    if section is None:
+        raise ExpConfError(f"{source}: data.det_lab is missing (it names the project and dataset)")
+    try:
+        return LabTrialConfig.model_validate(section)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(["data", "det_lab", *(str(p) for p in err["loc"])])
+        raise ExpConfError(f"{source}: {key}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def training_length(exp_conf: dict[str, Any], lab: LabTrialConfig) -> Length:
+    """How long to train: the searcher's ``max_time``/``time_metric`` (ASHA) or ``max_length``."""
+    searcher = exp_conf.get("searcher") or {}
+    if searcher.get("time_metric") in ("batches", "epochs") and searcher.get("max_time"):
+        return Length(**{searcher["time_metric"]: int(searcher["max_time"])})
+    if lab.max_length is None:
+        raise ExpConfError("experiment config: data.det_lab.max_length is missing (e.g. {batches: 1000})")
+    return lab.max_length
+
+
+def period(exp_conf: dict[str, Any], key: str):
+    """``min_validation_period`` / ``min_checkpoint_period`` as a Trainer unit, or None."""
+    value = exp_conf.get(key) or {}
+    return Length(**value).unit() if value else None
+
+
+def searcher_metric(exp_conf: dict[str, Any]) -> tuple[str | None, bool]:
+    searcher = exp_conf.get("searcher") or {}
+    return searcher.get("metric"), bool(searcher.get("smaller_is_better", True))

@@ -1,0 +1,277 @@
+"""``det-lab run <template> --local``: an experiment config run through Determined's local
+training mode, with no cluster.
+
+The same entrypoint and hyperparameters as on the cluster (const values, or one sample of a
+search), checkpoints under ``<data root>/checkpoints/<project>``, metrics kept (``metrics.jsonl``)
+and mirrored, a progress bar, and a summary of where everything went. Each run has a directory
+``<data root>/outputs/<project>/local-runs/<name>/`` holding its state (``run.json``), log,
+metrics and tracking journal; ``--resume`` continues the latest run from its latest checkpoint,
+in the same tracker run.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from det_lab.data.git import describe_commit
+from det_lab.settings import LabSettings
+from det_lab.trials.expconf import ExpConfError, lab_section, training_length
+from det_lab.trials.session import LOCAL_RUN_ENV
+from det_lab.volume import VolumeLayout, atomic_write_text
+
+TEMPLATES_ENV = "DET_LAB_TEMPLATES"
+ALIASES = {"3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
+DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
+LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
+
+
+class RunError(RuntimeError):
+    """A problem starting a local run, phrased as one line."""
+
+
+def templates_dir() -> Path:
+    env = os.environ.get(TEMPLATES_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "experiment_templates"
+
+
+def resolve_template(name: str) -> Path:
+    """A template name (``vla``, ``3dgs``) or a directory holding an experiment config."""
+    as_path = Path(name).expanduser()
+    if as_path.is_dir():
+        return as_path.resolve()
+    root = templates_dir()
+    candidate = root / ALIASES.get(name, name)
+    if candidate.is_dir():
+        return candidate
+    known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
+    raise RunError(f"no template or directory {name!r} (templates: {', '.join(known) or 'none'})")
+
+
+def load_config(template: Path, config: Path | None) -> tuple[Path, dict[str, Any]]:
+    path = config or next((template / c for c in DEFAULT_CONFIGS if (template / c).is_file()), None)
+    if path is None:
+        raise RunError(f"{template} has no {' / '.join(DEFAULT_CONFIGS)}; pass --config")
+    try:
+        conf = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise RunError(f"{path}: cannot read experiment config: {exc}") from None
+    if not isinstance(conf, dict):
+        raise RunError(f"{path}: an experiment config must be a mapping")
+    return Path(path), conf
+
+
+def sample_hparams(space: dict[str, Any], rng: random.Random) -> dict[str, Any]:
+    """Const values as they are; one sample of each searched hyperparameter."""
+    out: dict[str, Any] = {}
+    for name, spec in space.items():
+        if not isinstance(spec, dict):
+            out[name] = spec
+            continue
+        kind = spec.get("type")
+        if kind is None:
+            out[name] = sample_hparams(spec, rng)
+        elif kind == "const":
+            out[name] = spec["val"]
+        elif kind == "int":
+            out[name] = rng.randint(int(spec["minval"]), int(spec["maxval"]))
+        elif kind == "double":
+            out[name] = rng.uniform(float(spec["minval"]), float(spec["maxval"]))
+        elif kind == "log":
+            out[name] = float(spec["base"]) ** rng.uniform(float(spec["minval"]), float(spec["maxval"]))
+        elif kind == "categorical":
+            out[name] = rng.choice(spec["vals"])
+        else:
+            raise RunError(f"hyperparameter {name!r}: unknown type {kind!r}")
+    return out
+
+
+def entry_command(entrypoint: str | list[str]) -> list[str]:
+    """The local command for an experiment ``entrypoint``.
+
+    Determined's distributed launchers are dropped (one local process), ``python3`` becomes
+    this interpreter, and the legacy ``module:Class`` form runs through Determined's harness
+    shim in :mod:`det_lab.trials.legacy`.
+    """
+    argv = shlex.split(entrypoint) if isinstance(entrypoint, str) else list(entrypoint)
+    if len(argv) == 1 and re.fullmatch(r"[\w.]+:\w+", argv[0]):
+        return [sys.executable, "-m", "det_lab.trials.legacy", argv[0]]
+    if len(argv) >= 3 and argv[1] == "-m" and argv[2] in LAUNCHERS:
+        rest = argv[3:]
+        while rest and rest[0].startswith("--"):  # launcher options such as --trust
+            rest = rest[1:]
+        argv = rest
+    if argv and Path(argv[0]).name in ("python", "python3"):
+        argv[0] = sys.executable
+    if not argv:
+        raise RunError(f"entrypoint {entrypoint!r} has no command")
+    return argv
+
+
+@dataclass
+class LocalRun:
+    """A local run's directory and state."""
+
+    dir: Path
+
+    @property
+    def state_file(self) -> Path:
+        return self.dir / "run.json"
+
+    def state(self) -> dict[str, Any]:
+        return json.loads(self.state_file.read_text())
+
+    def save(self, state: dict[str, Any]) -> None:
+        atomic_write_text(self.state_file, json.dumps(state, indent=2, default=str) + "\n")
+
+    def metrics(self) -> list[dict[str, Any]]:
+        path = self.dir / "metrics.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue  # a line being written right now
+        return out
+
+
+def runs_dir(settings: LabSettings, project: str) -> Path:
+    return VolumeLayout.from_settings(settings).outputs(project) / "local-runs"
+
+
+def prepare(settings: LabSettings, template: str, config: Path | None, resume: bool | str,
+            seed: int | None = None) -> tuple[LocalRun, Path, list[str]]:
+    """Create (or, with ``resume``, reopen) a local run; returns it, its cwd and its command."""
+    tdir = resolve_template(template)
+    cfg_path, conf = load_config(tdir, config)
+    try:
+        lab = lab_section(conf, str(cfg_path))
+        length = training_length(conf, lab)
+    except ExpConfError as exc:
+        raise RunError(str(exc)) from None
+    settings.project(lab.project)
+    layout = VolumeLayout.from_settings(settings)
+    if not layout.outputs(lab.project).is_dir():
+        raise RunError(f"{layout.outputs(lab.project)} does not exist: run 'det-lab init' (or set DET_LAB_DATA_ROOT)")
+    root = runs_dir(settings, lab.project)
+    root.mkdir(exist_ok=True)
+    if resume:
+        run = _find_run(root, tdir.name, None if resume is True else str(resume))
+        state = run.state()
+        if not state.get("latest_checkpoint"):
+            raise RunError(f"run {state['name']} has no checkpoint yet to resume from; start a new run")
+        state["resumed"] = state.get("resumed", 0) + 1
+        run.save(state)
+        return run, Path(state["cwd"]), state["command"]
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    name = f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    run = LocalRun(root / name)
+    run.dir.mkdir()
+    rng = random.Random(seed if seed is not None else conf.get("reproducibility", {}).get("experiment_seed", 0))
+    command = entry_command(conf.get("entrypoint") or "")
+    run.save({
+        "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path),
+        "cwd": str(tdir), "command": command, "exp_conf": conf,
+        "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
+        "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
+        "latest_checkpoint": None, "checkpoints": [], "created": stamp,
+    })
+    return run, tdir, command
+
+
+def _find_run(root: Path, template: str, name: str | None) -> LocalRun:
+    if name:
+        run = LocalRun(root / name)
+        if not run.state_file.is_file():
+            raise RunError(f"no local run named {name!r} under {root}")
+        return run
+    candidates = sorted((p for p in root.glob(f"{template}-*") if (p / "run.json").is_file()),
+                        key=lambda p: p.stat().st_mtime)
+    if not candidates:
+        raise RunError(f"no earlier local run of {template!r} under {root} to resume")
+    return LocalRun(candidates[-1])
+
+
+def launch(run: LocalRun, cwd: Path, command: list[str], settings: LabSettings) -> subprocess.Popen:
+    """Start the trial process; its output goes to ``train.log`` in the run directory."""
+    env = {**os.environ, LOCAL_RUN_ENV: str(run.state_file), "PYTHONUNBUFFERED": "1",
+           "DET_LAB_DATA_ROOT": str(settings.data_root)}
+    if settings.source is not None:
+        env["DET_LAB_CONFIG"] = str(settings.source)
+    commit = describe_commit(cwd)
+    if commit:
+        env["DET_LAB_CODE_COMMIT"] = commit
+    log = open(run.dir / "train.log", "ab")
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_gracefully(proc: subprocess.Popen, timeout: float = 120.0) -> int:
+    """Ask the trial to checkpoint and stop (SIGTERM, like a cluster preemption), then wait."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def progress_of(run: LocalRun) -> tuple[int, dict[str, float]]:
+    """Latest training step reported, and the latest validation metrics."""
+    step, val = 0, {}
+    for m in run.metrics():
+        if m["group"] == "training":
+            step = max(step, m["step"])
+        elif m["group"] == "validation":
+            val = m["metrics"]
+    return step, val
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def wait_with_progress(proc: subprocess.Popen, run: LocalRun, show: bool) -> int:
+    """Wait for the trial, drawing a progress bar from its metrics; Ctrl-C stops it gracefully."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    state = run.state()
+    total = state["max_length"] if state.get("max_length_unit") == "batches" else None
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not show, transient=False) as bar:
+        task = bar.add_task(f"training {state['name']}", total=total)
+        try:
+            while proc.poll() is None:
+                time.sleep(0.5)
+                step, val = progress_of(run)
+                desc = f"training {state['name']}" + "".join(f"  {k}={v:.4g}" for k, v in list(val.items())[:2])
+                bar.update(task, completed=step, description=desc)
+        except KeyboardInterrupt:
+            bar.update(task, description="stopping: checkpointing first (Ctrl-C again to kill)")
+            try:
+                return stop_gracefully(proc)
+            except KeyboardInterrupt:
+                proc.kill()
+                return proc.wait()
+        step, _ = progress_of(run)
+        bar.update(task, completed=step)
+    return proc.returncode

@@ -1,0 +1,100 @@
+"""PyTorchTrial base class and its script entrypoint.
+
+    class MyTrial(LabPyTorchTrial):
+        def __init__(self, context):
+            super().__init__(context)          # dataset pulled, session started
+            self.data_dir = self.dataset_path  # read-only snapshot of the revision in the config
+        ...
+
+    if __name__ == "__main__":
+        run(MyTrial)                           # entrypoint: python3 train.py
+
+The legacy ``entrypoint: model_def:MyTrial`` form works too: the harness builds the trial and
+``LabPyTorchTrial.__init__`` starts the session itself.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+from pathlib import Path
+from typing import Any
+
+from determined import pytorch
+
+from det_lab.core import local_checkpoint_dir
+from det_lab.settings import LabSettings, load_settings
+from det_lab.trials.expconf import lab_section, period, training_length
+from det_lab.trials.session import LabSession, current_trial
+from det_lab.trials.shims import allow_harness_unpickling, harness_shims, tensorboard_available
+
+log = logging.getLogger("det_lab.trials")
+
+_current: LabSession | None = None  # the session run() started for the trial it is building
+
+
+class LabPyTorchTrial(pytorch.PyTorchTrial):
+    """A ``det.pytorch.PyTorchTrial`` with det_lab's session (see the module docstring)."""
+
+    def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
+        global _current
+        if _current is not None and _current.core is context._core:
+            self.session = _current
+        else:  # built by Determined's own harness (module:Class entrypoint)
+            allow_harness_unpickling()
+            identity = current_trial(context.get_experiment_config(), context.get_hparams())
+            self.session = LabSession(load_settings(), identity, context._core).start()
+            _current = self.session
+            atexit.register(self.session.close, "FINISHED")
+        self.context = context
+
+    @property
+    def dataset_path(self) -> Path:
+        if self.session.dataset is None:
+            raise RuntimeError("this experiment config names no dataset (data.det_lab.dataset)")
+        return self.session.dataset.path
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.session.identity.hparams
+
+
+def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None,
+        exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any] | None = None) -> LabSession:
+    """Train ``trial_cls`` with ``det.pytorch.Trainer`` on a cluster or in a local run.
+
+    Training length, validation and checkpoint periods come from the experiment config;
+    ``latest_checkpoint`` from Determined (cluster) or the local run's state (``--resume``).
+    """
+    global _current
+    settings = settings or load_settings()
+    identity = current_trial(exp_conf, hparams)
+    conf = identity.exp_conf
+    lab = lab_section(conf)
+    ckpt = None if identity.on_cluster else local_checkpoint_dir(settings, lab.project)
+    status = "FAILED"
+    with harness_shims(ckpt, [settings.data_root]):
+        with pytorch.init(hparams=identity.hparams, exp_conf=conf,
+                          enable_tensorboard_logging=tensorboard_available()) as ctx:
+            session = LabSession(settings, identity, ctx._core, lab).start()
+            _current = session
+            try:
+                trial = trial_cls(ctx)
+                fit_args: dict[str, Any] = dict(
+                    max_length=training_length(conf, lab).unit(),
+                    validation_period=period(conf, "min_validation_period"),
+                    checkpoint_period=period(conf, "min_checkpoint_period"),
+                    latest_checkpoint=identity.latest_checkpoint,
+                    checkpoint_policy=conf.get("checkpoint_policy", "best"),
+                )
+                if not identity.on_cluster:
+                    fit_args["checkpoint_policy"] = "all"  # "best" is unsupported locally
+                if lab.reporting_batches:
+                    fit_args["reporting_period"] = pytorch.Batch(lab.reporting_batches)
+                pytorch.Trainer(trial, ctx).fit(**fit_args)
+                status = "FINISHED"
+            finally:
+                session.close(status)
+                _current = None
+    return session
+
