@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from det_lab import __version__
-from det_lab.cli import data_cmds, doctor_cmd, volume_cmds
+from det_lab.cli import data_cmds, doctor_cmd, run_cmd, volume_cmds
 from det_lab.cli.common import State
 
 app = typer.Typer(
@@ -41,6 +41,7 @@ app.command()(volume_cmds.init)
 app.command()(volume_cmds.config)
 app.command()(doctor_cmd.doctor)
 app.add_typer(data_cmds.app, name="data")
+app.command()(run_cmd.run)
 
 
 def main() -> None:
