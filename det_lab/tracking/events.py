@@ -55,8 +55,20 @@ class Checkpoint:
     timestamp: float = field(default_factory=time.time)
 
 
-Event = Union[Metrics, Params, Tags, Checkpoint]
-_KINDS: dict[str, type] = {cls.kind: cls for cls in (Metrics, Params, Tags, Checkpoint)}
+@dataclass(frozen=True)
+class Artifact:
+    """A file to attach to the run (a rendered image, a plot). The file must stay in place
+    until delivered, so write it under the run's outputs, not a temp dir."""
+
+    kind: ClassVar[str] = "artifact"
+    path: str
+    name: str  # MLflow artifact directory / Aim sequence name
+    step: int
+    media: str = "file"  # "image": shown as an image in Aim (and MLflow's artifact view)
+
+
+Event = Union[Metrics, Params, Tags, Checkpoint, Artifact]
+_KINDS: dict[str, type] = {cls.kind: cls for cls in (Metrics, Params, Tags, Checkpoint, Artifact)}
 
 
 def to_record(seq: int, event: Event) -> dict[str, Any]:

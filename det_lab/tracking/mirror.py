@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
-from det_lab.tracking.events import Checkpoint, Event, Metrics, Params, RunInfo, Tags, flatten
+from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags, flatten
 from det_lab.tracking.journal import Cursor, Journal
 
 log = logging.getLogger("det_lab.tracking")
@@ -124,6 +124,10 @@ class Mirror:
     def log_checkpoint(self, uuid: str, step: int, metadata: Mapping[str, Any] | None = None) -> None:
         """Record that checkpoint ``uuid`` was written at ``step``."""
         self._put(Checkpoint(uuid, int(step), dict(metadata or {})))
+
+    def log_artifact(self, path: str | Path, name: str, step: int, media: str = "file") -> None:
+        """Attach a file (``media="image"`` for renders) that stays at ``path`` until delivered."""
+        self._put(Artifact(str(path), name, int(step), media))
 
     def _put(self, event: Event) -> None:
         if not self._states:

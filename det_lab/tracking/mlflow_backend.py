@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
-from det_lab.tracking.events import Checkpoint, Event, Metrics, Params, RunInfo, Tags
+from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags
 
 RUN_KEY_TAG = "det_lab.run_key"
 MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
@@ -80,6 +80,7 @@ class MlflowBackend(TrackerBackend):
         metrics: list[Metric] = []
         params: dict[str, str] = {}
         tags: dict[str, str] = {}
+        artifacts: list[Artifact] = []
         for e in events:
             if isinstance(e, Metrics):
                 ts = int(e.timestamp * 1000)
@@ -92,6 +93,8 @@ class MlflowBackend(TrackerBackend):
             elif isinstance(e, Checkpoint):
                 tags["det_lab.checkpoint.latest"] = e.uuid
                 tags[f"det_lab.checkpoint.{e.uuid}"] = json.dumps({"step": e.step, **e.metadata}, default=str)[:MAX_TAG_VALUE]
+            elif isinstance(e, Artifact):
+                artifacts.append(e)
         assert self._run_id is not None, "open() first"
         for i in range(0, len(metrics), MAX_METRICS):
             self._client.log_batch(self._run_id, metrics=metrics[i:i + MAX_METRICS], synchronous=True)
@@ -100,6 +103,9 @@ class MlflowBackend(TrackerBackend):
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in p[i:i + MAX_PARAMS_TAGS]],
                                    tags=[RunTag(k, v) for k, v in t[i:i + MAX_PARAMS_TAGS]], synchronous=True)
         self._params.update(params)
+        for a in artifacts:
+            if Path(a.path).exists():  # a file deleted before delivery is skipped, not retried forever
+                self._client.log_artifact(self._run_id, a.path, artifact_path=f"{a.name}/step_{a.step:08d}")
 
     def close(self, status: RunStatus) -> None:
         if self._run_id is not None:
