@@ -28,7 +28,7 @@ log = logging.getLogger("det_lab.tracking")
 
 MAX_BATCH = 1000  # MLflow's log_batch limit for metrics
 MAX_QUEUED = 10_000  # events held in memory before the caller writes them to the journal itself
-MAX_BACKOFF = 30.0
+MAX_BACKOFF = 15.0
 
 
 @dataclass

@@ -1,0 +1,68 @@
+"""Start an ``mlflow server`` the way det_lab expects it: SQLite on local disk (never on NFS),
+artifacts in a directory you choose (the volume's ``outputs/mlflow-artifacts`` on a cluster),
+bound to one address, killed with its workers as one process group."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class MlflowServer:
+    """``mlflow server`` with its store under ``root``; ``stop()`` then ``start()`` keeps the data."""
+
+    root: Path
+    port: int
+    host: str = "127.0.0.1"
+    artifacts: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def uri(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def command(self) -> list[str]:
+        exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
+        return [exe, "server", "--host", self.host, "--port", str(self.port), "--workers", "1",
+                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+                "--artifacts-destination", str(self.artifacts or self.root / "artifacts")]
+
+    def start(self, timeout: float = 90.0) -> MlflowServer:
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = open(self.root / "server.log", "ab")
+        self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, start_new_session=True,
+                                     env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"mlflow server did not answer within {timeout} s (log: {self.root / 'server.log'})")
+
+    def stop(self) -> None:
+        """Kill the server and its workers at once (an outage, not a graceful shutdown)."""
+        if self.proc and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
+        self.proc = None
