@@ -156,3 +156,30 @@ def test_redelivered_batch_is_not_duplicated(mlflow_server, tmp_path):
     backend.deliver(batch)
     backend.deliver(batch)
     assert history(MlflowClient(mlflow_server.uri), run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
+
+
+def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, mlflow_server):
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    journal = lab.root / "outputs" / "vla" / "tracking-journal" / "left-behind"
+    mlflow_server.stop()
+    try:
+        mirror = Mirror(run_info("left-behind"), [MlflowBackend(mlflow_server.uri)], journal)
+        for step in range(1, 51):
+            mirror.log_metrics("training", step, {"loss": float(step)})
+        assert mirror.close(timeout=2).backends[0].pending == 51
+        status = lab.cli("tracking", "status")
+        assert "51 events waiting" in status.stdout and str(journal) in status.stdout
+    finally:
+        mlflow_server.start()
+    proc = lab.cli("tracking", "sync")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    client = MlflowClient(mlflow_server.uri)
+    exp = client.get_experiment_by_name("det_lab-tests")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = 'left-behind'")
+    assert history(client, run.info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
+    assert "0 journal(s)" in lab.cli("tracking", "status").stdout

@@ -15,10 +15,10 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from det_lab.tracking.events import Event, from_record, to_record
+from det_lab.tracking.events import Event, RunInfo, from_record, to_record
 from det_lab.volume import atomic_write_text
 
 SEGMENT_EVENTS = 5000
@@ -105,6 +105,15 @@ class Journal:
 
     def pending(self, backend: str) -> int:
         return self.last_seq - self.cursor(backend).seq
+
+    def describe_run(self, run: RunInfo, backends: list[str]) -> None:
+        """Record whose events these are, so ``det-lab tracking sync`` can deliver them later."""
+        atomic_write_text(self.directory / "run.json",
+                          json.dumps({"run": asdict(run), "backends": backends}, indent=2) + "\n")
+
+    def run(self) -> tuple[RunInfo, list[str]]:
+        data = json.loads((self.directory / "run.json").read_text())
+        return RunInfo(**data["run"]), list(data["backends"])
 
     # --- recovery ------------------------------------------------------------------------------
 

@@ -82,6 +82,7 @@ class Mirror:
                  *, interval: float = 1.0) -> None:
         self.run = run
         self.journal = Journal(journal_dir)
+        self.journal.describe_run(run, [b.name for b in backends])
         self._states = [_State(b, self.journal.cursor(b.name)) for b in backends]
         self._interval = interval
         self._queue: deque[Event] = deque()
