@@ -7,7 +7,8 @@ from pathlib import Path
 import typer
 
 from det_lab import __version__
-from det_lab.cli import data_cmds, doctor_cmd, run_cmd, volume_cmds
+from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cmds
+from det_lab.cli import cluster_cmds
 from det_lab.cli.common import State
 
 app = typer.Typer(
@@ -42,6 +43,8 @@ app.command()(volume_cmds.config)
 app.command()(doctor_cmd.doctor)
 app.add_typer(data_cmds.app, name="data")
 app.command()(run_cmd.run)
+app.add_typer(tracking_cmds.app, name="tracking")
+app.add_typer(cluster_cmds.app, name="cluster")
 
 
 def main() -> None:

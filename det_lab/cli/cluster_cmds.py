@@ -1,0 +1,286 @@
+"""``det-lab cluster ...``: render, start, stop and inspect the Determined cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import typer
+import yaml
+
+from det_lab.cli.common import console, err_console, fail, state
+from det_lab.cluster import deploy, plan
+from det_lab.cluster.config import render_agent, render_master
+from det_lab.cluster.schema import agent_errors, master_errors
+from det_lab.cluster.secrets import (
+    ADMIN_PASSWORD_FILE,
+    SecretError,
+    ensure_cluster_secrets,
+    private_dir,
+    read_private,
+)
+from det_lab.cluster.settings import ClusterConfigError, ClusterSettings, load_cluster_settings
+from det_lab.cluster.users import UserMappingError, user_links
+from det_lab.settings import LabSettings
+
+app = typer.Typer(
+    help="The Determined cluster: master + database on one machine, an agent on every GPU machine.",
+    no_args_is_help=True,
+)
+
+_META_KEY = "det_lab.cluster_config"
+T = TypeVar("T")
+
+
+@app.callback()
+def _cluster(
+    ctx: typer.Context,
+    cluster_config: Path | None = typer.Option(
+        None, "--cluster-config", envvar="DET_LAB_CLUSTER_CONFIG",
+        help="Cluster config file (default: <data_root>/.det-lab/cluster.yaml, else built-in defaults).",
+    ),
+) -> None:
+    ctx.meta[_META_KEY] = cluster_config
+
+
+def _load(ctx: typer.Context, master: str | None = None) -> tuple[LabSettings, ClusterSettings]:
+    lab = state(ctx).settings
+    try:
+        cluster = load_cluster_settings(lab, ctx.meta.get(_META_KEY))
+    except ClusterConfigError as exc:
+        fail(str(exc))
+    if master:
+        host, _, port = master.removeprefix("http://").rstrip("/").partition(":")
+        update: dict = {"master_host": host}
+        if port:
+            if not port.isdigit() or not 0 < int(port) < 65536:
+                fail(f"MASTER {master!r}: the port must be a number 1-65535")
+            update["master_port"] = int(port)
+        try:
+            cluster = ClusterSettings.model_validate({**cluster.model_dump(), **update, "source": cluster.source})
+        except ValueError as exc:
+            fail(f"MASTER {master!r}: {str(exc).splitlines()[-1].strip()}")
+    return lab, cluster
+
+
+def _agents(cluster: ClusterSettings, extra: list[str]) -> list[str]:
+    listed = [a for p in cluster.pools for a in p.agents]
+    return list(dict.fromkeys(listed + extra)) or [socket.gethostname()]
+
+
+def _print_plan(p: plan.DeployPlan, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(p.to_dict(), indent=2))
+    else:
+        for line in p.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+
+
+def _one_line_errors(errors: list[str], what: str) -> None:
+    if errors:
+        for e in errors[1:]:
+            err_console.print(f"  also: {e}", highlight=False, soft_wrap=True)
+        fail(errors[0] if len(errors) == 1 else f"{errors[0]} ({len(errors)} {what} problems)")
+
+
+def _deploying(action: Callable[[], T]) -> T:
+    """Run a deploy step; every failure becomes the failing doctor lines plus one error line."""
+    try:
+        return action()
+    except deploy.PreflightFailed as exc:
+        for c in exc.checks:
+            err_console.print(f"fail  {c.name}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else ""),
+                              highlight=False, soft_wrap=True)
+        fail(str(exc))
+    except (deploy.DeployError, SecretError, ClusterConfigError, OSError) as exc:
+        fail(str(exc))
+
+
+@app.command()
+def config(
+    ctx: typer.Context,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write master.yaml and agent-<id>.yaml here."),
+    agent: list[str] = typer.Option([], "--agent", help="Also render agent.yaml for this agent id."),
+) -> None:
+    """Render and validate master.yaml and agent.yaml (no secrets in them)."""
+    lab, cluster = _load(ctx)
+    master = render_master(lab, cluster)
+    errors = [f"master.yaml: {e}" for e in master_errors(master)]
+    agents: dict[str, dict] = {}
+    for agent_id in _agents(cluster, agent):
+        try:
+            agents[agent_id] = render_agent(cluster, agent_id)
+        except ClusterConfigError as exc:
+            fail(str(exc))
+        errors += [f"agent-{agent_id}.yaml: {e}" for e in agent_errors(agents[agent_id], master)]
+    _one_line_errors(errors, "config")
+    if cluster.default_task is None and not cluster.users:
+        err_console.print("note: tasks of users not linked to a Unix identity run as root, which a root_squash "
+                          "NFS export refuses; run 'det-lab cluster link-users' or set default_task",
+                          highlight=False, soft_wrap=True)
+    docs = {"master.yaml": master, **{f"agent-{a}.yaml": conf for a, conf in agents.items()}}
+    if out is None:
+        for name, conf in docs.items():
+            typer.echo(f"# --- {name} ---")
+            typer.echo(yaml.safe_dump(conf, sort_keys=False), nl=False)
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, conf in docs.items():
+            (out / name).write_text(yaml.safe_dump(conf, sort_keys=False))
+    except OSError as exc:
+        fail(f"cannot write to {out}: {exc.strerror or exc}")
+    console.print(f"wrote {', '.join(docs)} to {out} (security.initial_user_password is added "
+                  "only to the private copy 'cluster up' writes)", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def password() -> None:
+    """Create the admin and database passwords if missing; the admin password is shown only then."""
+    directory = private_dir()
+    try:
+        secrets = ensure_cluster_secrets(directory)
+    except (SecretError, OSError) as exc:
+        fail(str(exc))
+    _announce_password(secrets.admin)
+
+
+def _announce_password(admin) -> None:
+    if admin.created:
+        console.print(f"admin password (shown this once; stored mode 0600 in {admin.path}): {admin.value}",
+                      highlight=False, soft_wrap=True)
+        console.print("log in with: det user login admin (the 'determined' user gets the same password)",
+                      highlight=False)
+    else:
+        console.print(f"admin password already set; it is in {admin.path} (not shown)", highlight=False)
+
+
+@app.command()
+def up(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    agent_id: str = typer.Option(socket.gethostname(), "--agent-id", help="Id of the local agent."),
+    password_file: Path | None = typer.Option(
+        None, "--password-file", help="A 0600 file with the initial admin password (default: generate one)."),
+) -> None:
+    """Start database, master and a local agent on this machine (after det-lab doctor passes)."""
+    lab, cluster = _load(ctx)
+    private = private_dir()
+    _one_line_errors(deploy.config_errors(lab, cluster, [agent_id]), "config")
+    if dry_run:
+        _print_plan(plan.up_plan(lab, cluster, private, agent_id, password_file), as_json)
+        return
+    prepared = _deploying(lambda: deploy.up(lab, cluster, private, agent_id, admin_password_file=password_file,
+                                            out=lambda s: console.print(s, highlight=False)))
+    _announce_password(prepared.secrets.admin)
+    console.print(f"cluster up: {cluster.master_url} (agent {agent_id} in pool {prepared.pool!r})", highlight=False)
+
+
+@app.command("agent-up")
+def agent_up(
+    ctx: typer.Context,
+    master: str = typer.Argument(..., help="The master machine: host or host:port."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; touch nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    pool: str | None = typer.Option(None, "--pool", help="Resource pool (default: the pool listing this agent)."),
+    agent_id: str = typer.Option(socket.gethostname(), "--agent-id", help="Id of this agent (unique)."),
+) -> None:
+    """Start an agent on this GPU machine that joins MASTER."""
+    lab, cluster = _load(ctx, master)
+    if pool is not None and pool not in cluster.pool_names():
+        fail(f"--pool {pool!r}: the cluster config defines no such pool (pools: {', '.join(cluster.pool_names())})")
+    private = private_dir()
+    if dry_run:
+        _print_plan(plan.agent_plan(cluster, private, agent_id, pool), as_json)
+        return
+    path = _deploying(lambda: deploy.agent_up(lab, cluster, private, agent_id, pool))
+    console.print(f"agent {agent_id} started with {path}; it joins {cluster.master_url}", highlight=False)
+
+
+@app.command()
+def down(
+    ctx: typer.Context,
+    delete_db: bool = typer.Option(False, "--delete-db", help="Also delete the database volume (all history!)."),
+) -> None:
+    """Stop this machine's master, database and agents (the database volume is kept)."""
+    _lab, cluster = _load(ctx)
+    try:
+        deploy.down(cluster, delete_db=delete_db)
+    except deploy.DeployError as exc:
+        fail(str(exc))
+    console.print("cluster containers on this machine stopped", highlight=False)
+
+
+@app.command()
+def status(ctx: typer.Context) -> None:
+    """The cluster's containers on this machine and whether the master answers."""
+    _lab, cluster = _load(ctx)
+    try:
+        client = deploy.docker_client()
+        rows = deploy.cluster_containers(cluster, client)
+    except deploy.DeployError as exc:
+        fail(str(exc))
+    for r in rows:
+        console.print(f"{r.role:<9} {r.name:<32} {r.status:<10} {r.image}", highlight=False)
+    if not rows:
+        console.print("no cluster containers on this machine", highlight=False)
+    ok, detail = deploy.master_answers(cluster.master_url)
+    console.print(f"master    {cluster.master_url}: {'answers' if ok else 'unreachable'} ({detail})", highlight=False)
+    if not ok:
+        raise typer.Exit(1)
+
+
+@app.command()
+def logs(
+    ctx: typer.Context,
+    tail: int = typer.Option(50, "--tail", "-n", help="Lines per container."),
+) -> None:
+    """The last lines of each cluster container's log (follow one with: docker logs -f NAME)."""
+    _lab, cluster = _load(ctx)
+    try:
+        client = deploy.docker_client()
+        for name, line in deploy.container_logs(cluster, client, tail):
+            console.print(f"{name} | {line}", highlight=False, markup=False, soft_wrap=True)
+    except deploy.DeployError as exc:
+        fail(str(exc))
+
+
+@app.command("link-users")
+def link_users(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the det commands; run nothing."),
+) -> None:
+    """Link Determined users to Unix uid/gid (tasks then never run as root on the NFS volume)."""
+    lab, cluster = _load(ctx)
+    try:
+        links = user_links(lab, cluster)
+    except UserMappingError as exc:
+        fail(str(exc))
+    master = lab.master_url or cluster.master_url
+    if dry_run:
+        for link in links:
+            typer.echo(link.command(master=master))
+        return
+    det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
+    if det is None:
+        fail("the 'det' CLI is not installed: pip install determined==0.38.1")
+    try:
+        admin_pw = read_private(private_dir() / ADMIN_PASSWORD_FILE)
+    except SecretError as exc:
+        fail(f"{exc} (run link-users as the admin who ran 'det-lab cluster up')")
+    env = {**os.environ, "DET_USER": "admin", "DET_PASS": admin_pw}
+    for link in links:
+        proc = subprocess.run(link.argv(det, master), env=env, capture_output=True, text=True, timeout=60)
+        if proc.returncode != 0:
+            reason = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[-1]
+            fail(f"linking {link.det_user}: {reason} (create the user first: det user create {link.det_user})")
+        console.print(f"linked {link.det_user} -> uid {link.identity.uid} ({link.identity.user}), "
+                      f"gid {link.identity.gid} ({link.identity.group})", highlight=False)

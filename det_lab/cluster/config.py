@@ -1,0 +1,162 @@
+"""master.yaml and agent.yaml, rendered as plain dicts from the lab and cluster settings.
+
+What the master config carries, and why (facts: ``shared/notes/determined.md`` §1-2):
+
+- ``checkpoint_storage``: ``shared_fs`` on the data root, ``storage_path: checkpoints``, so
+  checkpoints land in ``<data_root>/checkpoints/<uuid>`` on every machine.
+- ``task_container_defaults.bind_mounts``: the dataset tree (``datasets``, ``snapshots``,
+  ``dvc-cache``) read-only and ``outputs`` read-write, at the same paths as on the host, with
+  ``propagation: rslave`` so an NFS/autofs mount made after the container started still shows up.
+  The master ignores ``propagation`` for the ``shared_fs`` mount itself (it always uses
+  ``rprivate`` at ``/determined_shared_fs``), so ``checkpoints`` is also bind-mounted here, at its
+  host path, where ``rslave`` is honoured: code that reads other runs' checkpoints by their host
+  path sees the live NFS mount. Determined's own checkpoint writes still go through
+  ``/determined_shared_fs``; keep the volume hard-mounted (fstab, not an expiring autofs map) on
+  agent machines so that mount is there when a trial starts.
+- ``db``: a user master config *replaces* the built-in one, so user/host/port/name are here. The
+  password is not: ``det deploy local`` passes ``DET_DB_PASSWORD`` to the master container and the
+  master reads every key from ``DET_*`` variables.
+- ``security.initial_user_password`` only in the private copy (see :mod:`det_lab.cluster.secrets`);
+  ``feature_switches: [prevent_blank_password]`` makes a new cluster refuse a blank one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from det_lab.cluster.settings import ClusterSettings, PoolSettings
+from det_lab.settings import LabSettings
+from det_lab.volume import VolumeLayout
+
+#: the DB container's address on the ``determined_default`` network (fixed by det deploy local)
+DB_HOST = "determined-db"
+DB_PORT = 5432
+#: ``det deploy local`` maps container port 8080 to the host's master_port; the master must listen on 8080
+MASTER_CONTAINER_PORT = 8080
+#: where task containers find the data root and the pool's GPU kind
+ENV_DATA_ROOT = "DET_LAB_DATA_ROOT"
+ENV_GPU_KIND = "DET_LAB_GPU_KIND"
+
+
+def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, Any]]:
+    """The task bind mounts: data read-only, outputs and checkpoints read-write, same paths."""
+    root = VolumeLayout.from_settings(lab).root
+
+    def mount(sub: str, read_only: bool) -> dict[str, Any]:
+        path = str(root / sub)
+        return {"host_path": path, "container_path": path, "read_only": read_only, "propagation": "rslave"}
+
+    mounts = [
+        mount("datasets", True),
+        mount("snapshots", True),
+        mount("dvc-cache", True),
+        mount("outputs", False),
+        mount("checkpoints", False),
+    ]
+    for extra in cluster.bind_mounts:
+        mounts.append({
+            "host_path": str(extra.host_path),
+            "container_path": str(extra.container_path or extra.host_path),
+            "read_only": extra.read_only,
+            "propagation": extra.propagation,
+        })
+    return mounts
+
+
+def environment_variables(lab: LabSettings) -> list[str]:
+    """Variables every task gets, so det_lab inside a container finds the same volume and tracking."""
+    env = [f"{ENV_DATA_ROOT}={lab.data_root}"]
+    t = lab.tracking
+    env.append(f"DET_LAB_TRACKING={t.backend}")
+    if t.mlflow_uri and t.mlflow_uri.startswith(("http://", "https://")):
+        env.append(f"MLFLOW_TRACKING_URI={t.mlflow_uri}")
+    if t.aim_repo and t.aim_repo.startswith("aim://"):
+        env.append(f"DET_LAB_AIM_REPO={t.aim_repo}")
+    return env
+
+
+def _pool(pool: PoolSettings) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "pool_name": pool.name,
+        "description": pool.description or (f"{pool.gpu_kind} GPUs" if pool.gpu_kind else ""),
+        "max_aux_containers_per_agent": pool.max_aux_containers_per_agent,
+    }
+    if pool.gpu_kind:
+        # pool-level defaults are layered over the master's: lists are appended
+        out["task_container_defaults"] = {"environment_variables": [f"{ENV_GPU_KIND}={pool.gpu_kind}"]}
+    return out
+
+
+def render_master(lab: LabSettings, cluster: ClusterSettings, *,
+                  initial_user_password: str | None = None) -> dict[str, Any]:
+    """The master config. Without ``initial_user_password`` it is safe to print or share."""
+    layout = VolumeLayout.from_settings(lab)
+    tcd: dict[str, Any] = {
+        "network_mode": "bridge",
+        "bind_mounts": bind_mounts(lab, cluster),
+        "environment_variables": environment_variables(lab),
+    }
+    if cluster.images.task:
+        tcd["image"] = {"cpu": cluster.images.task, "cuda": cluster.images.task}
+    security: dict[str, Any] = {}
+    if cluster.default_task:
+        security["default_task"] = cluster.default_task.model_dump()
+    if initial_user_password is not None:
+        security["initial_user_password"] = initial_user_password
+    conf: dict[str, Any] = {
+        "port": MASTER_CONTAINER_PORT,
+        "cluster_name": cluster.display_name,
+        "log": {"level": "info", "color": False},
+        "db": {
+            "user": cluster.db.user,
+            "host": DB_HOST,
+            "port": DB_PORT,
+            "name": cluster.db.name,
+            "ssl_mode": "disable",  # the DB is reachable only on the private Docker network
+        },
+        "checkpoint_storage": {
+            "type": "shared_fs",
+            "host_path": str(layout.root),
+            "storage_path": layout.checkpoints.name,
+            **cluster.gc.model_dump(),
+        },
+        "task_container_defaults": tcd,
+        "resource_manager": {
+            "type": "agent",
+            "scheduler": {
+                # a union keyed on `type`: the priority fields sit beside it, not under `priority:`
+                "type": "priority",
+                "fitting_policy": cluster.scheduler.fitting_policy,
+                "preemption": cluster.scheduler.preemption,
+                "default_priority": cluster.scheduler.default_priority,
+            },
+            "default_compute_resource_pool": cluster.default_compute_pool,
+            "default_aux_resource_pool": cluster.default_aux_pool,
+        },
+        "resource_pools": [_pool(p) for p in cluster.pools],
+        "feature_switches": ["prevent_blank_password"],
+        "telemetry": {"enabled": False},
+        "retention_policy": {"log_retention_days": cluster.log_retention_days, "schedule": "0 3 * * *"},
+    }
+    if security:
+        conf["security"] = security
+    return conf
+
+
+def render_agent(cluster: ClusterSettings, agent_id: str, pool: str | None = None) -> dict[str, Any]:
+    """The agent config of ``agent_id``; its pool is ``pool`` or the one listing it."""
+    pool_name = pool if pool is not None else cluster.pool_of_agent(agent_id).name
+    cluster.pool(pool_name)  # unknown pool -> ClusterConfigError, as the master would reject it
+    conf: dict[str, Any] = {
+        "master_host": cluster.master_host,
+        "master_port": cluster.master_port,  # the agent's own default is 80, never what we want
+        "agent_id": agent_id,
+        "resource_pool": pool_name,
+        "container_master_host": cluster.container_master_host,
+        "container_master_port": cluster.master_port,
+        "slot_type": cluster.agent.slot_type,
+        "log": {"level": "info", "color": False},
+    }
+    if cluster.agent.visible_gpus:
+        conf["visible_gpus"] = cluster.agent.visible_gpus
+    return conf

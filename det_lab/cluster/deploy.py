@@ -1,0 +1,324 @@
+"""Running the cluster through Determined's own ``det deploy local`` code, with its gaps closed.
+
+- **Preflight**: ``det-lab doctor``'s checks run first; any ``fail`` refuses the start (the
+  ``master`` check is skipped: that is what is being started).
+- **Docker**: checked before anything is written or created; without it every command stops with
+  one line saying what to install.
+- **Password in a temp file**: ``master_up`` dumps its config to a world-readable
+  ``det-deploy-local-master-config-*`` temp file whenever it changes anything (a password from a
+  flag, a weak or missing password, ``--storage-host-path``, ``--auto-work-dir``). det_lab writes
+  the full master.yaml itself, 0600 in the private directory, with a strong
+  ``initial_user_password``, and passes it as ``master_config_path`` with none of those flags, so
+  ``master_up`` uses the file as it is and writes no temp file. The DB password never enters a
+  file: ``master_up`` hands it to the master as ``DET_DB_PASSWORD``.
+- **postgres:10.14**: ``db_up`` hard-codes it. For the duration of the call, det_lab replaces
+  ``cluster_utils.db_up`` (module attribute, nothing on disk) with one that runs
+  ``images.postgres`` under the same container name, network and volume, with a working health
+  check and a ``determined-db`` network alias, and waits until it is healthy.
+- **pkg_resources**: imported through :func:`det_lab.compat.import_deploy`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+from det_lab.cluster import schema
+from det_lab.cluster.config import DB_HOST, render_agent, render_master
+from det_lab.cluster.plan import agent_yaml_path, master_yaml_path, use_gpus
+from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensure_private_dir, write_private
+from det_lab.cluster.settings import ClusterSettings
+from det_lab.compat import import_deploy
+from det_lab.doctor import Check, run_checks
+from det_lab.settings import LabSettings
+
+Out = Callable[[str], None]
+DB_READY_TIMEOUT_S = 120
+INSTALL_DOCKER = ("install Docker Engine (https://docs.docker.com/engine/install/) and the NVIDIA container "
+                  "toolkit, start the daemon, and add your user to group 'docker'")
+
+
+class DeployError(RuntimeError):
+    """A deployment problem, phrased as one line for the user."""
+
+
+class PreflightFailed(DeployError):
+    """Doctor found problems; ``checks`` are the failing ones."""
+
+    def __init__(self, checks: list[Check]) -> None:
+        self.checks = checks
+        names = ", ".join(c.name for c in checks)
+        super().__init__(f"refusing to start: {len(checks)} doctor check(s) failed ({names}); fix them and re-run")
+
+
+# --- checks before anything is created ------------------------------------------------------------
+
+def preflight(lab: LabSettings) -> list[Check]:
+    """The failing doctor checks that must stop ``up`` (empty: go)."""
+    return [c for c in run_checks(lab) if c.status == "fail" and c.name != "master"]
+
+
+def docker_client(timeout: int = 10) -> Any:
+    """A connected Docker client, or :class:`DeployError` saying what to install."""
+    endpoint = os.environ.get("DOCKER_HOST", "unix:///var/run/docker.sock")
+    try:
+        import docker
+
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+    except Exception as exc:
+        socket_path = endpoint.removeprefix("unix://")
+        if endpoint.startswith("unix://") and not Path(socket_path).exists():
+            reason = "no such socket"
+        elif isinstance(exc, PermissionError) or "Permission denied" in str(exc):
+            reason = "permission denied"
+        else:
+            reason = f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:100]}"
+        raise DeployError(f"no Docker daemon reachable at {endpoint} ({reason}); {INSTALL_DOCKER}") from None
+    return client
+
+
+def config_errors(lab: LabSettings, cluster: ClusterSettings, agent_ids: list[str]) -> list[str]:
+    """Structural problems of the rendered master.yaml and of each agent's agent.yaml."""
+    master = render_master(lab, cluster)
+    errors = [f"master.yaml: {e}" for e in schema.master_errors(master)]
+    for agent in agent_ids:
+        errors += [f"agent-{agent}.yaml: {e}" for e in schema.agent_errors(render_agent(cluster, agent), master)]
+    return errors
+
+
+# --- files ----------------------------------------------------------------------------------------
+
+@dataclass
+class Prepared:
+    """The files ``up`` wrote and the secrets it uses."""
+
+    master_yaml: Path
+    agent_yaml: Path
+    secrets: ClusterSecrets
+    pool: str
+
+
+def write_agent_config(cluster: ClusterSettings, private: Path, agent_id: str, pool: str | None) -> Path:
+    conf = render_agent(cluster, agent_id, pool)
+    errors = schema.agent_errors(conf, render_master_stub(cluster))
+    if errors:
+        raise DeployError(f"agent.yaml: {errors[0]}")
+    path = agent_yaml_path(private, agent_id)
+    write_private(path, yaml.safe_dump(conf, sort_keys=False))
+    return path
+
+
+def render_master_stub(cluster: ClusterSettings) -> dict[str, Any]:
+    """Just the pools of the master config, to check an agent against."""
+    return {"resource_pools": [{"pool_name": p} for p in cluster.pool_names()]}
+
+
+def prepare_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str,
+               admin_password_file: Path | None = None) -> Prepared:
+    """Validate, make sure the secrets exist, write the private master.yaml and agent.yaml."""
+    errors = config_errors(lab, cluster, [agent_id])
+    if errors:
+        raise DeployError(errors[0])
+    ensure_private_dir(private)
+    secrets = ensure_cluster_secrets(private, admin_password_file)
+    conf = render_master(lab, cluster, initial_user_password=secrets.admin.value)
+    master_yaml = master_yaml_path(private)
+    write_private(master_yaml, yaml.safe_dump(conf, sort_keys=False))
+    pool = cluster.pool_of_agent(agent_id).name
+    return Prepared(master_yaml, write_agent_config(cluster, private, agent_id, pool), secrets, pool)
+
+
+# --- the database ---------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def supported_postgres(dep: ModuleType, cluster: ClusterSettings, client: Any, out: Out) -> Iterator[None]:
+    """Within the block, ``cluster_utils.db_up`` runs ``images.postgres`` instead of postgres:10.14."""
+
+    def db_up(name: str, password: str, network_name: str, cluster_name: str, volume_name: str) -> None:
+        out(f"Creating {name} ({cluster.images.postgres})...")
+        user, db = cluster.db.user, cluster.db.name
+        client.containers.run(
+            image=cluster.images.postgres,
+            environment={"POSTGRES_USER": user, "POSTGRES_DB": db, "POSTGRES_PASSWORD": password, "PGUSER": user},
+            volumes=[f"{volume_name}:/var/lib/postgresql/data"],
+            name=name,
+            detach=True,
+            restart_policy={"Name": "unless-stopped"},
+            command="--max_connections=96 --shared_buffers=512MB",
+            # upstream's CMD-SHELL list drops '-d determined' and polls every 1 ms
+            healthcheck={"test": ["CMD-SHELL", f"pg_isready -U {user} -d {db}"],
+                         "interval": 1_000_000_000, "timeout": 5_000_000_000, "retries": 60},
+            network=network_name,
+            hostname=DB_HOST,
+            networking_config={network_name: client.api.create_endpoint_config(aliases=[DB_HOST])},
+        )
+        wait_healthy(client, name, DB_READY_TIMEOUT_S)
+
+    original = dep.db_up
+    dep.db_up = db_up
+    try:
+        yield
+    finally:
+        dep.db_up = original
+
+
+def wait_healthy(client: Any, name: str, timeout: float) -> None:
+    """Wait for a container's health check; a clear error if it exits or never gets healthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = client.api.inspect_container(name)["State"]
+        if (state.get("Health") or {}).get("Status") == "healthy":
+            return
+        if state.get("Status") in ("exited", "dead") or time.monotonic() > deadline:
+            lines = _log_tail(client, name)
+            worst = next((ln for ln in reversed(lines) if "FATAL" in ln or "ERROR" in ln), lines[-1] if lines else "")
+            hint = ""
+            if any("incompatible with server" in ln for ln in lines):
+                hint = ("; the DB volume was created by another PostgreSQL major version "
+                        "(det deploy local used 10.14): pg_dump it with the old image and restore, "
+                        "or set images.postgres to that version")
+            what = "exited" if state.get("Status") in ("exited", "dead") else f"not healthy after {timeout:.0f}s"
+            raise DeployError(f"{name} {what}: {worst or 'no log output'}{hint}")
+        time.sleep(1)
+
+
+def _log_tail(client: Any, name: str) -> list[str]:
+    try:
+        text = client.containers.get(name).logs(tail=20).decode(errors="replace")
+    except Exception:
+        return []
+    return [ln.strip() for ln in text.splitlines() if ln.strip()]
+
+
+# --- commands -------------------------------------------------------------------------------------
+
+def _shared_client(dep: ModuleType, client: Any) -> None:
+    # cluster_utils caches one module-global client; make it the one we checked
+    dep._docker_client = client
+
+
+def _guard_deploy_errors(action: str) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def guard() -> Iterator[None]:
+        try:
+            yield
+        except DeployError:
+            raise
+        except Exception as exc:  # docker.errors.*, requests, ConnectionError, TimeoutError ...
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+            raise DeployError(f"{action} failed: {type(exc).__name__}{': ' + detail if detail else ''}") from exc
+    return guard()
+
+
+def up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str, *,
+       admin_password_file: Path | None = None, client: Any = None, out: Out = print) -> Prepared:
+    """Start database, master and a local agent (restarts them if running; the DB volume is kept)."""
+    failed = preflight(lab)
+    if failed:
+        raise PreflightFailed(failed)
+    client = client if client is not None else docker_client()
+    dep = import_deploy()
+    _shared_client(dep, client)
+    prepared = prepare_up(lab, cluster, private, agent_id, admin_password_file)
+    from determined.common.api import authentication
+
+    # a password master_up finds weak makes it generate one and dump the config to a temp file
+    authentication.check_password_complexity(prepared.secrets.admin.value)
+    prefix, version = cluster.images.repo_prefix, cluster.images.version
+    with _guard_deploy_errors("starting the master"), supported_postgres(dep, cluster, client, out):
+        dep.master_up(
+            port=cluster.master_port, initial_user_password=None, master_config_path=prepared.master_yaml,
+            storage_host_path=None, master_name=None, image_repo_prefix=prefix, version=version,
+            db_password=prepared.secrets.db.value, delete_db=False, autorestart=True,
+            cluster_name=cluster.cluster_name, auto_work_dir=None,
+        )
+    _start_agent(dep, cluster, prepared.agent_yaml, agent_id, prepared.pool)
+    return prepared
+
+
+def agent_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str, pool: str | None = None,
+             *, client: Any = None) -> Path:
+    """Start an agent on this machine that joins ``cluster.master_host`` (after doctor passes)."""
+    failed = preflight(lab)  # above all: the volume must be mounted here at the same path
+    if failed:
+        raise PreflightFailed(failed)
+    client = client if client is not None else docker_client()
+    dep = import_deploy()
+    _shared_client(dep, client)
+    ensure_private_dir(private)
+    pool_name = pool or cluster.pool_of_agent(agent_id).name
+    path = write_agent_config(cluster, private, agent_id, pool_name)
+    _start_agent(dep, cluster, path, agent_id, pool_name)
+    return path
+
+
+def _start_agent(dep: ModuleType, cluster: ClusterSettings, config: Path, agent_id: str, pool: str) -> None:
+    with _guard_deploy_errors(f"starting agent {agent_id}"):
+        dep.stop_agent(agent_id)  # a previous agent of that name would make the name clash
+        dep.agent_up(
+            master_host=cluster.master_host, master_port=cluster.master_port, agent_config_path=config,
+            agent_name=agent_id, agent_resource_pool=pool, image_repo_prefix=cluster.images.repo_prefix,
+            version=cluster.images.version, gpu=use_gpus(cluster), autorestart=True,
+            cluster_name=cluster.cluster_name, labels={"determined.cluster": cluster.cluster_name},
+        )
+
+
+def down(cluster: ClusterSettings, *, delete_db: bool = False, client: Any = None) -> None:
+    """Stop and remove this machine's master, database, network and agents of the cluster."""
+    client = client if client is not None else docker_client()
+    dep = import_deploy()
+    _shared_client(dep, client)
+    with _guard_deploy_errors("stopping the cluster"):
+        dep.cluster_down(cluster_name=cluster.cluster_name, delete_db=delete_db)
+
+
+@dataclass(frozen=True)
+class ContainerStatus:
+    name: str
+    role: str
+    image: str
+    status: str
+
+
+def cluster_containers(cluster: ClusterSettings, client: Any) -> list[ContainerStatus]:
+    """The cluster's containers on this machine: master, database, agents."""
+    dep = import_deploy()
+    cn = cluster.cluster_name
+    wanted = {f"{cn}_{dep.MASTER_NAME}": "master", f"{cn}_{dep.DB_NAME}": "database"}
+    found: dict[str, ContainerStatus] = {}
+    for c in client.containers.list(all=True):
+        labels = c.labels or {}
+        role = wanted.get(c.name) or ("agent" if labels.get("determined.cluster") == cn else None)
+        if role:
+            image = (c.image.tags or [c.image.short_id])[0] if c.image else "?"
+            found[c.name] = ContainerStatus(c.name, role, image, c.status)
+    order = {"database": 0, "master": 1, "agent": 2}
+    return sorted(found.values(), key=lambda s: (order[s.role], s.name))
+
+
+def master_answers(url: str, timeout: float = 3.0) -> tuple[bool, str]:
+    """Whether ``url/info`` answers (plain HTTP, as det deploy local's health check)."""
+    try:
+        with urllib.request.urlopen(f"{url}/info", timeout=timeout) as resp:  # noqa: S310 (configured URL)
+            return True, f"HTTP {resp.status}"
+    except Exception as exc:
+        return False, str(getattr(exc, "reason", exc))
+
+
+def container_logs(cluster: ClusterSettings, client: Any, tail: int = 50) -> Iterator[tuple[str, str]]:
+    """(container, line) for the last ``tail`` lines of each cluster container here."""
+    for status in cluster_containers(cluster, client):
+        with _guard_deploy_errors(f"reading logs of {status.name}"):
+            text = client.containers.get(status.name).logs(tail=tail).decode(errors="replace")
+        for line in text.splitlines():
+            yield status.name, line

@@ -1,0 +1,295 @@
+"""The cluster section of the lab configuration: hosts, pools, images, GC, database names.
+
+It lives in its own file so that the lab config (``det_lab.settings``) stays what every
+laptop needs, and the cluster part is shared by every machine of the cluster:
+
+1. ``--cluster-config PATH`` / ``$DET_LAB_CLUSTER_CONFIG`` (must exist when given),
+2. ``<data_root>/.det-lab/cluster.yaml`` on the shared volume, so the master machine and every
+   agent machine read the same pools,
+3. none: built-in defaults (one machine, one ``default`` pool).
+
+The file holds no secrets (see :mod:`det_lab.cluster.secrets`). Problems are raised as
+:class:`ClusterConfigError` with a one-line message naming the file and key.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from det_lab.compat import DETERMINED_VERSION
+from det_lab.settings import LabSettings
+
+CLUSTER_FILE = "cluster.yaml"
+DEFAULT_POOL = "default"
+#: Determined 0.38 warns about PostgreSQL older than 12 and recommends 13+; upstream hard-codes 10.14.
+MIN_POSTGRES_MAJOR = 12
+DEFAULT_POSTGRES_IMAGE = "postgres:14"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$")
+
+
+class ClusterConfigError(ValueError):
+    """A cluster configuration problem, phrased as one line for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class PoolSettings(_Strict):
+    """A resource pool: one per machine or per GPU kind."""
+
+    name: str
+    description: str = ""
+    agents: list[str] = Field(default_factory=list, description="agent ids (hostnames) that join this pool")
+    gpu_kind: str | None = Field(default=None, description="e.g. rtx4090; exported to tasks as DET_LAB_GPU_KIND")
+    max_aux_containers_per_agent: int = Field(default=100, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"pool name {v!r} must be letters, digits, '.', '-' or '_' (at most 63)")
+        return v
+
+
+class AgentSettings(_Strict):
+    """Settings every agent gets in its agent.yaml."""
+
+    container_master_host: str | None = Field(
+        default=None, description="how task containers reach the master (default: master_host)")
+    slot_type: Literal["auto", "cuda", "rocm", "cpu", "none"] = "auto"
+    visible_gpus: str | None = None
+    gpu: bool | Literal["auto"] = Field(
+        default="auto", description="pass the host GPUs to the agent container; auto = when nvidia-smi exists")
+
+
+class ImageSettings(_Strict):
+    """Container images. Mirror them: nobody maintains the Docker Hub copies any more."""
+
+    repo_prefix: str = "determinedai"
+    version: str = DETERMINED_VERSION
+    task: str | None = Field(default=None, description="default task image; None keeps Determined's")
+    postgres: str = DEFAULT_POSTGRES_IMAGE
+
+    @field_validator("postgres")
+    @classmethod
+    def _supported_postgres(cls, v: str) -> str:
+        tag = v.rsplit(":", 1)[1] if ":" in v.rsplit("/", 1)[-1] else ""
+        major = re.match(r"^(\d+)", tag)
+        if major and int(major.group(1)) < MIN_POSTGRES_MAJOR:
+            raise ValueError(
+                f"{v} is older than PostgreSQL {MIN_POSTGRES_MAJOR}, which Determined 0.38 warns about; "
+                f"use {DEFAULT_POSTGRES_IMAGE}")
+        return v
+
+
+class GCSettings(_Strict):
+    """Which checkpoints survive garbage collection (the union of the three is kept)."""
+
+    save_experiment_best: int = Field(default=0, ge=0)
+    save_trial_best: int = Field(default=1, ge=0)
+    save_trial_latest: int = Field(default=1, ge=0)
+
+
+class DBSettings(_Strict):
+    """The database the master uses. Host and port are fixed by ``det deploy local``."""
+
+    name: str = "determined"
+    user: str = "postgres"
+
+    @field_validator("name", "user")
+    @classmethod
+    def _ident(cls, v: str) -> str:
+        if not re.match(r"^[a-z_][a-z0-9_]{0,62}$", v):
+            raise ValueError(f"{v!r} must be a lower-case PostgreSQL identifier")
+        return v
+
+
+class SchedulerSettings(_Strict):
+    """The priority scheduler (``fair_share`` is deprecated in 0.38, ``round_robin`` removed)."""
+
+    default_priority: int = Field(default=42, ge=1, le=99)
+    preemption: bool = False
+    fitting_policy: Literal["best", "worst"] = "best"
+
+
+class TaskUser(_Strict):
+    """A Unix identity for tasks; used for ``security.default_task`` and user links."""
+
+    uid: int = Field(ge=0)
+    gid: int = Field(ge=0)
+    user: str
+    group: str
+
+
+class BindMount(_Strict):
+    """An extra bind mount for every task container (same path on host and in the container)."""
+
+    host_path: Path
+    container_path: Path | None = None
+    read_only: bool = True
+    propagation: Literal["rprivate", "private", "rshared", "shared", "rslave", "slave"] = "rslave"
+
+    @field_validator("host_path", "container_path")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"{str(v)!r} must be an absolute path")
+        return v
+
+
+class ClusterSettings(_Strict):
+    """The whole cluster section."""
+
+    cluster_name: str = Field(default="determined", description="prefix of the Docker container names")
+    display_name: str = "det-lab"
+    master_host: str = Field(default_factory=socket.gethostname,
+                             description="address of the master machine, routable from every agent and task")
+    master_port: int = Field(default=8080, ge=1, le=65535, description="host port the master is published on")
+    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings(name=DEFAULT_POOL, description="GPU machines")])
+    default_compute_pool: str = DEFAULT_POOL
+    default_aux_pool: str = DEFAULT_POOL
+    scheduler: SchedulerSettings = SchedulerSettings()
+    agent: AgentSettings = AgentSettings()
+    images: ImageSettings = ImageSettings()
+    gc: GCSettings = GCSettings()
+    db: DBSettings = DBSettings()
+    log_retention_days: int = Field(default=90, ge=-1, le=32767)
+    default_task: TaskUser | None = Field(
+        default=None, description="identity of tasks whose user is not linked (Determined's default: root)")
+    users: dict[str, str | TaskUser] = Field(
+        default_factory=dict, description="Determined user -> Unix user name, or an explicit identity")
+    bind_mounts: list[BindMount] = Field(default_factory=list, description="extra task bind mounts")
+    source: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("cluster_name")
+    @classmethod
+    def _cluster_name(cls, v: str) -> str:
+        if not _DOCKER_NAME.match(v):
+            raise ValueError(f"{v!r} must be letters, digits, '.', '-' or '_' (it prefixes container names)")
+        return v
+
+    @field_validator("master_host")
+    @classmethod
+    def _host(cls, v: str) -> str:
+        if not v or "://" in v or "/" in v or ":" in v:
+            raise ValueError(f"{v!r} must be a bare host name or IP (the port is master_port)")
+        return v
+
+    @model_validator(mode="after")
+    def _pools_consistent(self) -> ClusterSettings:
+        if not self.pools:
+            raise ValueError("pools: at least one pool is needed")
+        names: set[str] = set()
+        owner: dict[str, str] = {}
+        for pool in self.pools:
+            if pool.name in names:
+                raise ValueError(f"pools: duplicate pool name {pool.name!r}")
+            names.add(pool.name)
+            for agent in pool.agents:
+                if agent in owner:
+                    raise ValueError(f"pools: agent {agent!r} is listed in both {owner[agent]!r} and {pool.name!r}")
+                owner[agent] = pool.name
+        for key in ("default_compute_pool", "default_aux_pool"):
+            value = getattr(self, key)
+            if value not in names:
+                raise ValueError(
+                    f"{key}: pool {value!r} is not defined (pools: {', '.join(sorted(names))}); "
+                    f"keep a pool named 'default' or point {key} at one of them")
+        seen: set[Path] = set()
+        for m in self.bind_mounts:
+            target = m.container_path or m.host_path
+            if target in seen:
+                raise ValueError(f"bind_mounts: two mounts target {target}")
+            seen.add(target)
+        return self
+
+    def pool_names(self) -> list[str]:
+        return [p.name for p in self.pools]
+
+    def pool(self, name: str) -> PoolSettings:
+        """The pool called ``name``; a clear error for an unknown one."""
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise ClusterConfigError(f"unknown pool {name!r} (pools: {', '.join(self.pool_names())})")
+
+    def pool_of_agent(self, agent_id: str) -> PoolSettings:
+        """The pool an agent joins: the one listing it, else the default compute pool."""
+        for p in self.pools:
+            if agent_id in p.agents:
+                return p
+        return self.pool(self.default_compute_pool)
+
+    @property
+    def container_master_host(self) -> str:
+        return self.agent.container_master_host or self.master_host
+
+    @property
+    def master_url(self) -> str:
+        return f"http://{self.master_host}:{self.master_port}"
+
+
+def default_cluster_file(lab: LabSettings) -> Path:
+    """``<data_root>/.det-lab/cluster.yaml``: shared by every machine of the cluster."""
+    return lab.data_root / ".det-lab" / CLUSTER_FILE
+
+
+def load_cluster_settings(lab: LabSettings, path: Path | str | None = None) -> ClusterSettings:
+    """Load and validate the cluster section; ``path`` overrides the default location."""
+    if path is not None:
+        file: Path | None = Path(path).expanduser()
+        if not file.is_file():  # type: ignore[union-attr]
+            raise ClusterConfigError(f"{file}: no such cluster config file")
+    else:
+        file = default_cluster_file(lab)
+        if not file.is_file():
+            file = None
+    raw = _read_yaml(file) if file else {}
+    where = str(file) if file else "built-in cluster defaults"
+    try:
+        return ClusterSettings.model_validate({**raw, "source": file})
+    except ValidationError as exc:
+        raise ClusterConfigError(f"{where}: {_one_line(exc)}") from None
+
+
+def _read_yaml(file: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(file.read_text())
+    except OSError as exc:
+        raise ClusterConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        raise ClusterConfigError(f"{file}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ClusterConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
+    return data
+
+
+def _one_line(exc: ValidationError) -> str:
+    errors = exc.errors()
+    # for `str | TaskUser` pydantic reports the str branch first; a mapping meant the other one
+    err = next((e for e in errors if not (e["type"] == "string_type" and isinstance(e.get("input"), dict))),
+               errors[0])
+    loc = [str(p) for p in err["loc"]]
+    # pydantic puts union members in the path ("users.alice.str"); keep what a user wrote
+    loc = [p for p in loc if p not in ("str", "TaskUser", "bool", "literal['auto']")]
+    key = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {key!r}"
+    msg = err["msg"].removeprefix("Value error, ")
+    given = err.get("input")
+    if isinstance(given, (str, int, float, bool)) and repr(given) not in msg and err["type"] != "missing":
+        msg += f" (got {given!r})"
+    return f"{key}: {msg}" if key else msg
