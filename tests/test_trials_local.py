@@ -98,11 +98,14 @@ def start_run(lab, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_step(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> Path:
+def wait_for_step(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 120,
+                  exclude: tuple[Path, ...] = ()) -> Path:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         for run_dir in run_dir_parent.glob("*/"):
+            if run_dir in exclude:
+                continue
             ckpts = run_state(run_dir).get("checkpoints", []) if (run_dir / "run.json").exists() else []
             if any(c["step"] >= step for c in ckpts):
                 return run_dir
@@ -170,6 +173,28 @@ def test_preempt_then_resume_continues_same_step_and_tracker_run(tiny_lab):
     steps = history(tiny_lab, run.info.run_id, "training/loss")
     assert steps == sorted(set(steps)) and steps[-1] == 80
     assert [s for s, _ in metrics(run_dir, "training") if s > stop_step][0] <= stop_step + 10
+
+
+def test_resumed_losses_equal_an_uninterrupted_run(tiny_lab):
+    """Same seed: a run stopped midway and resumed reports exactly the uninterrupted losses."""
+    proc = tiny_lab.cli("run", str(TINY), "--local")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (straight,) = list((tiny_lab.root / "outputs" / "vla" / "local-runs").iterdir())
+
+    config = config_copy(tiny_lab, "const.yaml", sleep_per_batch=0.05)
+    proc = start_run(tiny_lab, "--config", str(config))
+    stopped = wait_for_step(straight.parent, 20, proc, exclude=(straight,))
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert run_state(stopped)["latest_checkpoint_step"] < 80
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume", "--run", stopped.name)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    for group, key in (("training", "loss"), ("validation", "val_loss")):
+        expected = {s: m[key] for s, m in metrics(straight, group)}
+        got = {s: m[key] for s, m in metrics(stopped, group)}
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one_latest(tiny_lab):

@@ -183,14 +183,15 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     name = f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
     run = LocalRun(root / name)
     run.dir.mkdir()
-    rng = random.Random(seed if seed is not None else conf.get("reproducibility", {}).get("experiment_seed", 0))
+    seed = seed if seed is not None else (conf.get("reproducibility") or {}).get("experiment_seed", 0)
+    rng = random.Random(seed)
     command = entry_command(conf.get("entrypoint") or "")
     run.save({
         "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path),
         "cwd": str(tdir), "command": command, "exp_conf": conf,
         "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
         "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
-        "latest_checkpoint": None, "checkpoints": [], "created": stamp,
+        "seed": seed, "latest_checkpoint": None, "checkpoints": [], "created": stamp,
     })
     return run, tdir, command
 

@@ -21,7 +21,7 @@ import os
 import platform
 import signal
 import socket
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class TrialIdentity:
     latest_checkpoint: str | None
     run_dir: Path | None = None  # local runs: outputs/<project>/local-runs/<name>
     max_length: int | None = None  # for progress reporting
-    extra: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None  # local runs: seeds python, numpy and torch as Determined does on a cluster
 
 
 def current_trial(exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any] | None = None) -> TrialIdentity:
@@ -81,7 +81,7 @@ def current_trial(exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any
         run = RunInfo(key=state["run_key"], name=state["name"], experiment=_tracker_experiment(conf),
                       tags={"det.local_run": state["name"], "det.local_run_dir": str(Path(run_file).parent)})
         return TrialIdentity(run, False, conf, state["hparams"], state.get("latest_checkpoint"),
-                             Path(run_file).parent, state.get("max_length"))
+                             Path(run_file).parent, state.get("max_length"), state.get("seed"))
     if exp_conf is None:
         raise RuntimeError(
             "not running on a Determined cluster nor under 'det-lab run --local': start it with "
@@ -120,6 +120,8 @@ class LabSession:
     # --- start -----------------------------------------------------------------------------------
 
     def start(self) -> LabSession:
+        if self.identity.seed is not None:
+            _seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
         self.lineage = self._lineage()
         if self.is_chief:
@@ -235,6 +237,22 @@ class LabSession:
                               json.dumps({**asdict(summary), "journal": str(summary.journal),
                                           "status": status}, indent=2, default=str) + "\n")
         return summary
+
+
+def _seed_everything(seed: int) -> None:
+    """What Determined does for a trial on a cluster (its local mode seeds nothing)."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    try:
+        import torch
+
+        torch.manual_seed(seed)
+    except ImportError:
+        pass
 
 
 def _floats(metrics: dict[str, Any]) -> dict[str, float]:

@@ -14,6 +14,10 @@ nothing in the installed ``determined`` package is edited.
 4. Off-cluster checkpoints copy the whole working directory into ``code/``: when the data root
    or the checkpoint directory lies inside it, every checkpoint copies the datasets and the
    earlier checkpoints (recursively). We leave those paths, ``.git`` and venvs out.
+5. Off-cluster resume restarts the training data from its first batch: ``Trainer.fit`` passes
+   ``steps_completed=0`` to the trial controller in local mode (on a cluster the master supplies
+   it), so a resumed trial trains on different batches than an uninterrupted one. We pass the
+   checkpoint's own ``steps_completed``.
 """
 
 from __future__ import annotations
@@ -70,10 +74,18 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
     never copied into a checkpoint's ``code/``.
     """
     import determined as det
-    from determined import core, util
+    from determined import core, pytorch, util
 
     allow_harness_unpickling()
     orig_init, orig_write = core.init, util.write_user_code
+    orig_controller = pytorch._PyTorchTrialController
+
+    class Controller(orig_controller):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            latest = kwargs.get("latest_checkpoint")
+            if kwargs.get("local_training") and latest and not kwargs.get("steps_completed") and checkpoint_dir:
+                kwargs["steps_completed"] = _steps_completed(checkpoint_dir / latest)
+            super().__init__(*args, **kwargs)
 
     @functools.wraps(orig_write)
     def write_user_code(path: Path, on_cluster: bool) -> None:
@@ -92,8 +104,17 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
             kwargs["checkpoint_storage"] = str(checkpoint_dir)
         return orig_init(*args, **kwargs)
 
-    core.init, util.write_user_code = init, write_user_code
+    core.init, util.write_user_code, pytorch._PyTorchTrialController = init, write_user_code, Controller
     try:
         yield
     finally:
-        core.init, util.write_user_code = orig_init, orig_write
+        core.init, util.write_user_code, pytorch._PyTorchTrialController = orig_init, orig_write, orig_controller
+
+
+def _steps_completed(checkpoint: Path) -> int:
+    import json
+
+    try:
+        return int(json.loads((checkpoint / "metadata.json").read_text())["steps_completed"])
+    except (OSError, ValueError, KeyError):
+        return 0
