@@ -60,10 +60,10 @@ def test_one_machine_defaults(lab):
         "save_experiment_best": 0, "save_trial_best": 1, "save_trial_latest": 1,
     }
     mounts = {m["container_path"]: m for m in master["task_container_defaults"]["bind_mounts"]}
-    for sub in ("datasets", "snapshots", "dvc-cache"):
-        m = mounts[f"{root}/{sub}"]
-        assert m["host_path"] == m["container_path"] and m["read_only"] is True and m["propagation"] == "rslave"
-    for sub in ("outputs", "checkpoints"):
+    m = mounts[f"{root}/datasets"]
+    assert m["host_path"] == m["container_path"] and m["read_only"] is True and m["propagation"] == "rslave"
+    # a trial's first pull fills the cache, publishes a (read-only) snapshot, takes the volume's locks
+    for sub in ("snapshots", "dvc-cache", ".det-lab", "outputs", "checkpoints"):
         assert mounts[f"{root}/{sub}"]["read_only"] is False and mounts[f"{root}/{sub}"]["propagation"] == "rslave"
     # a user master.yaml replaces the built-in one: the db section must be complete (password via env)
     assert master["db"] == {"user": "postgres", "host": "determined-db", "port": 5432, "name": "determined",

@@ -39,7 +39,13 @@ ENV_GPU_KIND = "DET_LAB_GPU_KIND"
 
 
 def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, Any]]:
-    """The task bind mounts: data read-only, outputs and checkpoints read-write, same paths."""
+    """The task bind mounts, at the same paths as on the host.
+
+    The datasets tree (the DVC remotes and their git repos) is read-only. A trial's first pull of
+    a revision fills the shared cache and publishes a snapshot, and takes the volume's locks and
+    registry under ``.det-lab/``, so those are writable; a published snapshot is itself
+    read-only (mode 0555/0444), so trials cannot change the data they read.
+    """
     root = VolumeLayout.from_settings(lab).root
 
     def mount(sub: str, read_only: bool) -> dict[str, Any]:
@@ -48,8 +54,9 @@ def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, An
 
     mounts = [
         mount("datasets", True),
-        mount("snapshots", True),
-        mount("dvc-cache", True),
+        mount("snapshots", False),
+        mount("dvc-cache", False),
+        mount(".det-lab", False),
         mount("outputs", False),
         mount("checkpoints", False),
     ]

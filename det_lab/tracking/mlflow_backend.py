@@ -24,11 +24,15 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
 
 
-def default_local_uri() -> str:
-    """A SQLite store on local disk (never on NFS): ``~/.local/share/det-lab/mlflow.db``."""
+def _local_base() -> Path:
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "det-lab"
     base.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{base / 'mlflow.db'}"
+    return base
+
+
+def default_local_uri() -> str:
+    """A SQLite store on local disk (never on NFS): ``~/.local/share/det-lab/mlflow.db``."""
+    return f"sqlite:///{_local_base() / 'mlflow.db'}"
 
 
 class MlflowBackend(TrackerBackend):
@@ -48,7 +52,13 @@ class MlflowBackend(TrackerBackend):
     def open(self, run: RunInfo, resume_id: str | None) -> str:
         client = self._client
         exp = client.get_experiment_by_name(run.experiment)
-        exp_id = exp.experiment_id if exp else client.create_experiment(run.experiment)
+        if exp is None:
+            # with a local store, MLflow would put artifacts in ./mlruns of the trial's working
+            # directory (the template, which Determined copies into every checkpoint)
+            location = None if self.uri.startswith("http") else (_local_base() / "mlflow-artifacts").as_uri()
+            exp_id = client.create_experiment(run.experiment, artifact_location=location)
+        else:
+            exp_id = exp.experiment_id
         run_id = resume_id if resume_id and self._exists(resume_id) else self._find(exp_id, run.key)
         if run_id is None:
             tags = {RUN_KEY_TAG: run.key, **{k: v[:MAX_TAG_VALUE] for k, v in run.tags.items()}}

@@ -88,7 +88,9 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
                     checkpoint_policy=conf.get("checkpoint_policy", "best"),
                 )
                 if not identity.on_cluster:
-                    fit_args["checkpoint_policy"] = "all"  # "best" is unsupported locally
+                    # "best" is unsupported locally and Determined falls back to "all", a checkpoint
+                    # at every validation; "none" keeps to min_checkpoint_period (and the end)
+                    fit_args["checkpoint_policy"] = "none"
                 if lab.reporting_batches:
                     fit_args["reporting_period"] = pytorch.Batch(lab.reporting_batches)
                 pytorch.Trainer(trial, ctx).fit(**fit_args)

@@ -120,6 +120,9 @@ class LabSession:
     # --- start -----------------------------------------------------------------------------------
 
     def start(self) -> LabSession:
+        if not self.identity.on_cluster and not logging.getLogger().handlers:
+            # Determined's harness configures logging on a cluster; locally train.log would stay empty
+            logging.basicConfig(level=logging.INFO, format=det.LOG_FORMAT)
         if self.identity.seed is not None:
             _seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
@@ -159,6 +162,13 @@ class LabSession:
         if self.dataset is not None:
             lineage["dataset"] = asdict(self.dataset.identity)
         return {k: v for k, v in lineage.items() if v is not None}
+
+    @property
+    def outputs_dir(self) -> Path:
+        """Where this trial writes anything besides checkpoints (renders, exported policies)."""
+        if self.identity.run_dir is not None:
+            return self.identity.run_dir
+        return VolumeLayout.from_settings(self.settings).outputs(self.lab.project) / self.identity.run.key
 
     def _journal_dir(self) -> Path:
         if self.identity.run_dir is not None:

@@ -1,0 +1,17 @@
+"""Readers for dataset formats that templates and notebooks share.
+
+    from det_lab.datasets import LeRobotDataset, split_episodes
+    ds = LeRobotDataset(path, horizon=10)
+    train_eps, val_eps = split_episodes(ds.episode_indices, val_episodes=2)
+    train, val = ds.select(train_eps), ds.select(val_eps)
+"""
+
+from det_lab.datasets.lerobot import (
+    Episode,
+    LeRobotDataset,
+    LeRobotDatasetError,
+    VideoDecoderMissing,
+    split_episodes,
+)
+
+__all__ = ["Episode", "LeRobotDataset", "LeRobotDatasetError", "VideoDecoderMissing", "split_episodes"]

@@ -1,0 +1,136 @@
+"""VLA policy training as a det_lab PyTorchTrial.
+
+Entrypoint (cluster and ``det-lab run vla --local``)::
+
+    python3 -m determined.launch.torch_distributed python3 train.py
+
+det_lab's base class pulls the dataset named in ``data.det_lab.dataset`` (read-only snapshot at
+``self.dataset_path``), mirrors every metric to MLflow/Aim and records the dataset's identity in
+each checkpoint's metadata. Determined handles checkpoints, resume, validation periods, the
+searcher and distributed data parallelism (``resources.slots_per_trial``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import determined as det
+import torch
+from determined import pytorch
+
+from dataset import load_splits
+from det_lab.trials.expconf import training_length
+from det_lab.trials.pytorch import LabPyTorchTrial, run
+from model import VLAConfig, VLAPolicy
+
+POLICY_FILE = "vla_policy.json"
+
+
+class SavePolicyConfig(pytorch.PyTorchCallback):
+    """Writes the policy's shapes and sizes next to the weights, so a checkpoint is self-describing."""
+
+    def __init__(self, description: dict[str, Any]) -> None:
+        self.description = description
+
+    def on_checkpoint_write_end(self, checkpoint_dir: str) -> None:
+        with open(f"{checkpoint_dir}/{POLICY_FILE}", "w") as f:
+            json.dump(self.description, f, indent=2)
+
+
+class VLATrial(LabPyTorchTrial):
+    def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
+        super().__init__(context)
+        hp = context.get_hparams()
+        self.hp = hp
+        if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
+            torch.set_num_threads(int(hp["torch_threads"]))
+        self.splits = load_splits(self.dataset_path, hp)
+        full = self.splits.full
+        shapes = {full.image_shape(k) for k in full.cameras}
+        if hp.get("resize"):
+            shapes = {(3, int(hp["resize"]), int(hp["resize"]))}
+        if len(shapes) != 1:
+            raise ValueError(f"cameras have different shapes {sorted(shapes)}: set hyperparameters.resize")
+        self.cfg = VLAConfig.from_hparams(hp["model"], state_dim=full.state_dim, action_dim=full.action_dim,
+                                          horizon=int(hp["horizon"]), image_shape=shapes.pop(),
+                                          n_cameras=len(full.cameras))
+        stats = {k: full.norm_stats(k) for k in ("observation.state", "action", *full.cameras) if k in full.stats}
+        self.model = context.wrap_model(VLAPolicy(self.cfg, stats, full.cameras))
+        self.opt = context.wrap_optimizer(torch.optim.AdamW(
+            self.model.parameters(), lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"])))
+        total = self._total_batches()
+        warmup = min(int(hp.get("warmup_batches", 0)), total // 2)
+        self.sched = context.wrap_lr_scheduler(
+            torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(warmup, total)),
+            step_mode=pytorch.LRScheduler.StepMode.STEP_EVERY_BATCH,
+        )
+        self.bf16 = bool(hp.get("bf16")) and torch.cuda.is_available()
+        self.description = {
+            "policy": self.cfg.to_dict(), "cameras": full.cameras, "fps": full.fps,
+            "train_episodes": self.splits.train_episodes, "val_episodes": self.splits.val_episodes,
+            "dataset": self.session.lineage.get("dataset"),
+        }
+
+    def _total_batches(self) -> int:
+        """The run's length in batches (for the LR schedule), from max_length or ASHA's max_time."""
+        length = training_length(self.context.get_experiment_config(), self.session.lab)
+        if length.batches:
+            return length.batches
+        per_epoch = len(self.splits.train) // self.context.get_global_batch_size()
+        return max(1, length.value * max(1, per_epoch))
+
+    def _autocast(self):
+        return torch.autocast("cuda", dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+    def _loader(self, frames, train: bool) -> pytorch.DataLoader:
+        workers = int(self.hp.get("num_workers", 0))
+        return pytorch.DataLoader(
+            frames, batch_size=self.context.get_per_slot_batch_size(), shuffle=train, drop_last=train,
+            num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
+        )
+
+    def build_training_data_loader(self) -> pytorch.DataLoader:
+        return self._loader(self.splits.train, train=True)
+
+    def build_validation_data_loader(self) -> pytorch.DataLoader:
+        return self._loader(self.splits.val, train=False)
+
+    def _forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        with self._autocast():
+            return self.model(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"],
+                              batch["action"], batch["action_is_pad"])
+
+    def train_batch(self, batch: dict[str, Any], epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+        out = self._forward(batch)
+        self.context.backward(out["loss"])
+        clip = float(self.hp.get("grad_clip", 0) or 0)
+        self.context.step_optimizer(
+            self.opt, clip_grads=(lambda params: torch.nn.utils.clip_grad_norm_(params, clip)) if clip else None)
+        return {"loss": out["loss"], "action_l1": out["action_l1"], "lr": self.sched.get_last_lr()[0]}
+
+    def evaluate_batch(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        out = self._forward(batch)
+        return {"val_loss": out["loss"], "val_action_l1": out["action_l1"],
+                "val_action_l1_first": out["action_l1_first"]}
+
+    def build_callbacks(self) -> dict[str, pytorch.PyTorchCallback]:
+        return {"policy_config": SavePolicyConfig(self.description)}
+
+
+def _warmup_cosine(warmup: int, total: int):
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return factor
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format=det.LOG_FORMAT)
+    run(VLATrial)

@@ -1,0 +1,442 @@
+"""The VLA template: the LeRobot reader, the policy, the configs, and `det-lab run vla --local`
+end to end (DVC pull, training, checkpoints on the data root, MLflow, preemption and resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from det_lab.data import pull
+from det_lab.data.demo import IMAGE_KEY, make_vla_demo, make_vla_demo_v21
+from det_lab.datasets import LeRobotDataset, LeRobotDatasetError, VideoDecoderMissing, split_episodes
+from det_lab.settings import load_settings
+from tests.conftest import VENV_BIN, Lab
+from tests.services import MlflowServer, free_port
+
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATE = REPO / "experiment_templates" / "vla"
+VALIDATOR = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
+CONFIGS = ("const.yaml", "search.yaml", "gpu.yaml")
+
+
+# --- the reader --------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def demos(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("lerobot")
+    kw = dict(episodes=4, frames_per_episode=10, image_size=16)
+    return {"v3": make_vla_demo(root / "v3", **kw), "v21": make_vla_demo_v21(root / "v21", **kw)}
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(src, tmp_path / src.name))
+
+
+def _same_items(a: LeRobotDataset, b: LeRobotDataset) -> None:
+    assert len(a) == len(b)
+    for i in range(len(a)):
+        x, y = a[i], b[i]
+        assert x.keys() == y.keys()
+        for k in x:
+            np.testing.assert_array_equal(np.asarray(x[k]), np.asarray(y[k]), err_msg=f"item {i}, {k}")
+
+
+def test_v3_and_v21_give_the_same_frames_and_chunks(demos):
+    v3, v21 = LeRobotDataset(demos["v3"], horizon=4), LeRobotDataset(demos["v21"], horizon=4)
+    assert (v3.version, v21.version) == ("v3.0", "v2.1")
+    assert len(v3) == 40 and v3.episode_indices == [0, 1, 2, 3]
+    assert (v3.state_dim, v3.action_dim, v3.cameras) == (4, 4, [IMAGE_KEY])
+    assert v3.image_shape(IMAGE_KEY) == (3, 16, 16)
+    assert v3.tasks == v21.tasks and set(v3.tasks.values()) >= {"pick up the red block"}
+    _same_items(v3, v21)
+
+    item = v3[13]  # episode 1, frame 3
+    assert (item["episode_index"], item["frame_index"], item["index"]) == (1, 3, 13)
+    assert item["observation.state"].shape == (4,) and item["observation.state"].dtype == np.float32
+    assert item[IMAGE_KEY].shape == (3, 16, 16) and 0.0 <= item[IMAGE_KEY].min() <= item[IMAGE_KEY].max() <= 1.0
+    assert item["task"] == v3.tasks[item["task_index"]]
+    frames = pq.read_table(demos["v3"] / "data/chunk-000/file-000.parquet").to_pydict()
+    np.testing.assert_array_equal(item["action"], np.asarray(frames["action"][13:17], dtype=np.float32))
+    np.testing.assert_array_equal(item["observation.state"], np.asarray(frames["observation.state"][13], dtype=np.float32))
+    assert set(v3.norm_stats("action")) == {"mean", "std", "min", "max"}
+
+
+def test_action_chunks_are_padded_and_masked_at_episode_end(demos):
+    ds = LeRobotDataset(demos["v3"], horizon=5)
+    actions = pq.read_table(demos["v3"] / "data/chunk-000/file-000.parquet").column("action").to_pylist()
+    item = ds[17]  # episode 1, frame 7 of 10: frames 7, 8, 9 are real, two padded
+    assert item["action_is_pad"].tolist() == [False, False, False, True, True]
+    np.testing.assert_array_equal(item["action"][:3], np.asarray(actions[17:20], dtype=np.float32))
+    np.testing.assert_array_equal(item["action"][3], item["action"][2])  # the last action repeated
+    np.testing.assert_array_equal(item["action"][4], item["action"][2])
+    assert not ds[10]["action_is_pad"].any()  # the first frame of episode 1 never reads episode 0
+    assert ds[19]["action_is_pad"].tolist() == [False, True, True, True, True]
+    assert not ds[20]["action_is_pad"].any()  # episode 2 starts afresh
+
+
+def test_held_out_split_is_disjoint_and_deterministic(demos):
+    ds = LeRobotDataset(demos["v21"], horizon=2)
+    train, val = split_episodes(ds.episode_indices, val_episodes=1, seed=3)
+    assert set(train).isdisjoint(val) and sorted(train + val) == [0, 1, 2, 3] and len(val) == 1
+    assert split_episodes(ds.episode_indices, val_episodes=1, seed=3) == (train, val)
+    tr, va = ds.select(train), ds.select(val)
+    assert len(tr) + len(va) == len(ds) and len(va) == 10
+    assert {tr[i]["episode_index"] for i in range(len(tr))} == set(train)
+    assert {va[i]["episode_index"] for i in range(len(va))} == set(val)
+    assert tr.selected_episodes == train and va.selected_episodes == val
+    assert LeRobotDataset(demos["v21"], episodes=val).selected_episodes == val
+    assert split_episodes(range(10), val_fraction=0.2)[1].__len__() == 2
+    with pytest.raises(ValueError):
+        split_episodes([0], val_episodes=1)
+    with pytest.raises(ValueError):
+        split_episodes([0, 1], val_episodes=2)
+
+
+def _break(root: Path, kind: str) -> Path:
+    """Damage a copied dataset; returns the file the error must name."""
+    info_file = root / "meta" / "info.json"
+    info = json.loads(info_file.read_text())
+    v3 = info["codebase_version"] == "v3.0"
+    data = root / ("data/chunk-000/file-000.parquet" if v3 else "data/chunk-000/episode_000002.parquet")
+    if kind == "no-info":
+        info_file.unlink()
+        return info_file
+    if kind == "unknown-version":
+        info_file.write_text(json.dumps({**info, "codebase_version": "v1.6"}))
+        return info_file
+    if kind == "missing-parquet":
+        data.unlink()
+        return data
+    if kind == "total-frames":
+        info_file.write_text(json.dumps({**info, "total_frames": info["total_frames"] + 1}))
+        return info_file
+    if kind == "episode-rows":  # one frame of episode 2 dropped from the data
+        table = pq.read_table(data)
+        keep = np.ones(table.num_rows, dtype=bool)
+        keep[np.flatnonzero(np.asarray(table.column("episode_index")) == 2)[4]] = False
+        pq.write_table(table.filter(pa.array(keep)), data)
+        return data
+    if kind == "missing-column":
+        pq.write_table(pq.read_table(data).drop_columns(["action"]), data)
+        return data
+    if kind == "missing-image":
+        image = root / info["image_path"].format(image_key=IMAGE_KEY, episode_index=3, frame_index=0)
+        image.unlink()
+        return image
+    if kind == "missing-tasks":
+        tasks = root / "meta" / ("tasks.parquet" if v3 else "tasks.jsonl")
+        tasks.unlink()
+        return tasks
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("version", ["v3", "v21"])
+@pytest.mark.parametrize("kind", ["no-info", "unknown-version", "missing-parquet", "total-frames",
+                                  "episode-rows", "missing-column", "missing-image", "missing-tasks"])
+def test_malformed_dataset_is_one_clear_line_naming_the_file(demos, tmp_path, version, kind):
+    root = _copy(demos[version], tmp_path)
+    bad = _break(root, kind)
+    with pytest.raises(LeRobotDatasetError) as err:
+        LeRobotDataset(root, horizon=3)
+    msg = str(err.value)
+    assert isinstance(err.value, ValueError)
+    assert "\n" not in msg and msg.startswith(f"{bad}: "), msg
+    words = {"no-info": "missing", "unknown-version": "'v1.6' is not supported", "missing-parquet": "missing parquet",
+             "total-frames": "total_frames", "episode-rows": "episode 2 has 9 frames",
+             "missing-column": "'action'", "missing-image": "missing image", "missing-tasks": "missing"}
+    assert words[kind] in msg, msg
+
+
+def test_image_missing_mid_episode_fails_when_read(demos, tmp_path):
+    root = _copy(demos["v3"], tmp_path)
+    info = json.loads((root / "meta" / "info.json").read_text())
+    image = root / info["image_path"].format(image_key=IMAGE_KEY, episode_index=1, frame_index=5)
+    image.unlink()
+    ds = LeRobotDataset(root)  # only each episode's first and last image are checked up front
+    ds[14]
+    with pytest.raises(LeRobotDatasetError, match=f"^{image}: missing image"):
+        ds[15]
+
+
+def test_images_embedded_in_parquet_read_like_files(demos, tmp_path):
+    """Real v2.1 datasets with image features embed PNG bytes in the frames ({bytes, path})."""
+    root = _copy(demos["v21"], tmp_path)
+    info_file = root / "meta" / "info.json"
+    info = json.loads(info_file.read_text())
+    for path in sorted((root / "data").rglob("*.parquet")):
+        table = pq.read_table(path)
+        cells = [{"bytes": (root / info["image_path"].format(image_key=IMAGE_KEY, episode_index=e, frame_index=f)).read_bytes(),
+                  "path": None}
+                 for e, f in zip(table.column("episode_index").to_pylist(), table.column("frame_index").to_pylist())]
+        pq.write_table(table.append_column(IMAGE_KEY, pa.array(cells)), path)
+    shutil.rmtree(root / "images")
+    info_file.write_text(json.dumps({**info, "image_path": None}))
+    _same_items(LeRobotDataset(root, horizon=3), LeRobotDataset(demos["v21"], horizon=3))
+
+
+def test_video_camera_without_a_decoder_is_a_clear_error(demos, tmp_path):
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) for m in ("torchcodec", "av", "torchvision")):
+        pytest.skip("a video decoder is installed here")
+    root = _copy(demos["v21"], tmp_path)
+    info_file = root / "meta" / "info.json"
+    info = json.loads(info_file.read_text())
+    info["features"][IMAGE_KEY]["dtype"] = "video"
+    info["video_path"] = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
+    info_file.write_text(json.dumps(info))
+    for e in range(4):
+        video = root / info["video_path"].format(episode_chunk=0, video_key=IMAGE_KEY, episode_index=e)
+        video.parent.mkdir(parents=True, exist_ok=True)
+        video.write_bytes(b"not decoded")
+    with pytest.raises(VideoDecoderMissing, match="no decoder is installed") as err:
+        LeRobotDataset(root)
+    assert "\n" not in str(err.value)
+    assert len(LeRobotDataset(root, cameras=())) == 40  # the tabular part still reads
+
+
+# --- the template's code and configs -----------------------------------------------------------
+
+
+def test_every_config_passes_validate_expconf():
+    if not VALIDATOR.exists():
+        pytest.skip(f"{VALIDATOR} not found")
+    files = sorted(TEMPLATE.glob("*.yaml"))
+    assert {f.name for f in files} == set(CONFIGS)
+    proc = subprocess.run([str(VALIDATOR), *map(str, files)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_search_trains_for_max_time_and_is_asha():
+    from det_lab.trials.expconf import lab_section, training_length
+
+    conf = yaml.safe_load((TEMPLATE / "search.yaml").read_text())
+    searcher = conf["searcher"]
+    assert searcher["name"] == "adaptive_asha" and searcher["time_metric"] == "batches"
+    assert searcher["max_time"] == conf["data"]["det_lab"]["max_length"]["batches"]
+    assert training_length(conf, lab_section(conf)).batches == searcher["max_time"]
+    gpu = yaml.safe_load((TEMPLATE / "gpu.yaml").read_text())
+    assert gpu["resources"]["slots_per_trial"] >= 2 and gpu["hyperparameters"]["bf16"] is True
+    assert "determined.launch.torch_distributed" in gpu["entrypoint"]
+
+
+@pytest.fixture
+def template_modules(monkeypatch):
+    monkeypatch.syspath_prepend(str(TEMPLATE))
+    for name in ("model", "dataset", "train"):
+        sys.modules.pop(name, None)
+    yield
+    for name in ("model", "dataset", "train"):
+        sys.modules.pop(name, None)
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_each_config_builds_a_policy_that_learns_a_step(demos, config, template_modules):
+    import random
+
+    import torch
+
+    from dataset import load_splits
+    from det_lab.trials.local import sample_hparams
+    from model import VLAConfig, VLAPolicy
+
+    hp = sample_hparams(yaml.safe_load((TEMPLATE / config).read_text())["hyperparameters"], random.Random(0))
+    hp["val_episodes"] = 1
+    splits = load_splits(demos["v3"], hp)
+    full = splits.full
+    cfg = VLAConfig.from_hparams(hp["model"], state_dim=4, action_dim=4, horizon=hp["horizon"],
+                                 image_shape=full.image_shape(IMAGE_KEY))
+    policy = VLAPolicy(cfg, {k: full.norm_stats(k) for k in ("observation.state", "action", IMAGE_KEY)}, full.cameras)
+    batch = torch.utils.data.default_collate([splits.train[i] for i in range(4)])
+    out = policy(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"], batch["action"], batch["action_is_pad"])
+    assert out["action"].shape == (4, hp["horizon"], 4) and out["loss"].ndim == 0
+    out["loss"].backward()
+    n_params = sum(p.numel() for p in policy.parameters())
+    if config == "gpu.yaml":
+        assert n_params > 10_000_000
+    elif config == "const.yaml":
+        assert n_params < 500_000
+
+
+def test_startup_hook_installs_det_lab_only_when_missing(tmp_path):
+    hook = TEMPLATE / "startup-hook.sh"
+    # det_lab importable (this venv first on PATH): nothing to do
+    env = {**os.environ, "PATH": f"{VENV_BIN}:{os.environ['PATH']}", "DET_LAB_DATA_ROOT": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", str(hook)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == ""
+
+    # an image without det_lab: a stand-in python3 records the pip call and "installs"
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "python3").write_text(
+        "#!/bin/sh\n"
+        f'echo "$@" >> {tmp_path}/calls\n'
+        'case "$*" in *"import det_lab"*) [ -f ' + str(tmp_path) + '/installed ] && exit 0; exit 1;; esac\n'
+        'case "$*" in *"pip install"*) touch ' + str(tmp_path) + '/installed;; esac\n')
+    (fake / "python3").chmod(0o755)
+    base = {"PATH": f"{fake}:/usr/bin:/bin", "DET_LAB_DATA_ROOT": str(tmp_path / "root")}
+    proc = subprocess.run(["bash", str(hook)], env=base, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and "no wheelhouse" in proc.stderr
+
+    wheels = tmp_path / "root" / ".det-lab" / "wheels"
+    wheels.mkdir(parents=True)
+    (wheels / "det_lab-0.1.0-py3-none-any.whl").write_bytes(b"")
+    proc = subprocess.run(["bash", str(hook)], env=base, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"-m pip install --quiet --no-index --find-links {wheels} det_lab" in (tmp_path / "calls").read_text()
+
+
+# --- det-lab run vla --local, end to end -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def vla_lab(tmp_path_factory, mlflow_server) -> Lab:
+    """One lab for the end-to-end tests: demo datasets published, metrics going to MLflow."""
+    tmp = tmp_path_factory.mktemp("vla-lab")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               DET_LAB_TEMPLATES=str(REPO / "experiment_templates"))
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    lab.cli("init", "--demo", check=True)
+    return lab
+
+
+def _runs(lab: Lab) -> list[Path]:
+    return sorted((lab.root / "outputs" / "vla" / "local-runs").glob("vla-*"), key=lambda p: p.stat().st_mtime)
+
+
+def _metrics(run_dir: Path, group: str) -> list[dict]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [m for m in lines if m["group"] == group]
+
+
+def _mlflow_run_id(run_dir: Path) -> str:
+    summary = json.loads((run_dir / "tracking-summary.json").read_text())
+    (backend,) = summary["backends"]
+    assert backend["backend"] == "mlflow" and backend["pending"] == 0, summary
+    return backend["run_id"]
+
+
+def _check_checkpoints(lab: Lab, state: dict) -> None:
+    settings = load_settings(lab.config, env={})
+    identity = pull("vla-demo", settings, progress=False).identity
+    assert state["checkpoints"]
+    for ckpt in state["checkpoints"]:
+        path = lab.root / "checkpoints" / "vla" / ckpt["uuid"]
+        meta = json.loads((path / "metadata.json").read_text())
+        assert meta["steps_completed"] == ckpt["step"]
+        ds = meta["det_lab"]["dataset"]
+        assert (ds["project"], ds["md5"], ds["commit"], ds["path"]) == (
+            "vla", identity.md5, identity.commit, identity.path)
+        assert (path / "state_dict.pth").is_file()
+        policy = json.loads((path / "vla_policy.json").read_text())
+        assert set(policy["train_episodes"]).isdisjoint(policy["val_episodes"])
+        code = {p.name for p in (path / "code").iterdir()}
+        assert {"train.py", "model.py", "dataset.py"} <= code and "__pycache__" not in code
+
+
+def test_det_lab_run_vla_local_trains_the_default_config(vla_lab, mlflow_server):
+    start = time.monotonic()
+    proc = vla_lab.cli("run", "vla", "--local", check=True)
+    elapsed = time.monotonic() - start
+    run_dir = _runs(vla_lab)[-1]
+    state = json.loads((run_dir / "run.json").read_text())
+    const = yaml.safe_load((TEMPLATE / "const.yaml").read_text())
+    total = const["data"]["det_lab"]["max_length"]["batches"]
+    assert "finished" in proc.stdout and f"{total} of {total} batches" in proc.stdout
+
+    val = _metrics(run_dir, "validation")
+    assert [m["step"] for m in val][-1] == total and len(val) >= 4
+    first, last = val[0]["metrics"]["val_action_l1"], val[-1]["metrics"]["val_action_l1"]
+    assert last < 0.7 * first, [m["metrics"]["val_action_l1"] for m in val]
+    assert _metrics(run_dir, "training")[-1]["step"] == total
+
+    assert state["latest_checkpoint_step"] == total
+    _check_checkpoints(vla_lab, state)
+
+    client = MlflowClient(mlflow_server.uri)
+    run_id = _mlflow_run_id(run_dir)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "validation/val_action_l1"))
+    assert history == [(m["step"], pytest.approx(m["metrics"]["val_action_l1"])) for m in val]
+    assert len(client.get_metric_history(run_id, "training/loss")) == len(_metrics(run_dir, "training"))
+    assert run.data.params["model.d_model"] == str(const["hyperparameters"]["model"]["d_model"])
+    print(f"\nconst.yaml: {elapsed:.0f} s, val_action_l1 {first:.4f} -> {last:.4f}")
+
+
+def test_preempted_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(vla_lab, mlflow_server, tmp_path):
+    conf = yaml.safe_load((TEMPLATE / "const.yaml").read_text())
+    conf["data"]["det_lab"]["max_length"] = {"batches": 240}
+    conf["min_validation_period"] = {"batches": 40}
+    conf["data"]["det_lab"]["reporting_batches"] = 20
+    config = tmp_path / "short.yaml"
+    config.write_text(yaml.safe_dump(conf))
+
+    before = set(_runs(vla_lab))
+    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", "vla", "--local", "--config", str(config)],
+                            env=vla_lab.env, cwd=vla_lab.config.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 150
+        run_dir = None
+        while time.monotonic() < deadline and proc.poll() is None:
+            new = set(_runs(vla_lab)) - before
+            if new:
+                run_dir = new.pop()
+                state = json.loads((run_dir / "run.json").read_text())
+                trained = [m["step"] for m in _metrics(run_dir, "training")] if (run_dir / "metrics.jsonl").exists() else []
+                if state.get("latest_checkpoint") and trained and trained[-1] > state["latest_checkpoint_step"]:
+                    break  # past the first checkpoint
+            time.sleep(0.2)
+        assert proc.poll() is None, "the run finished before it could be preempted: " + proc.communicate()[0]
+        proc.send_signal(signal.SIGINT)  # Ctrl-C: det-lab asks the trial to checkpoint and stop
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert run_dir is not None
+    state = json.loads((run_dir / "run.json").read_text())
+    stopped = state["latest_checkpoint_step"]
+    assert 0 < stopped < 240, out
+    assert max(m["step"] for m in _metrics(run_dir, "training")) <= stopped
+    first_run_id = _mlflow_run_id(run_dir)
+    n_lines = len((run_dir / "metrics.jsonl").read_text().splitlines())
+
+    resumed = vla_lab.cli("run", "vla", "--local", "--resume", check=True)
+    assert f"resuming {run_dir.name} from checkpoint {state['latest_checkpoint']}" in resumed.stdout.replace("\n", " ")
+    assert "240 of 240 batches" in resumed.stdout
+    after = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[n_lines:]]
+    assert after and min(m["step"] for m in after) > stopped  # continued, not restarted
+    assert max(m["step"] for m in after) == 240
+    state = json.loads((run_dir / "run.json").read_text())
+    assert state["latest_checkpoint_step"] == 240 and state["resumed"] == 1
+    _check_checkpoints(vla_lab, state)
+
+    assert _mlflow_run_id(run_dir) == first_run_id
+    client = MlflowClient(mlflow_server.uri)
+    steps = [m.step for m in client.get_metric_history(first_run_id, "validation/val_action_l1")]
+    assert min(steps) <= stopped and max(steps) == 240
+    assert client.get_run(first_run_id).info.status == "FINISHED"
