@@ -38,7 +38,8 @@ ENV_OVERRIDES: dict[str, str] = {
     "DET_LAB_TRACKING": "tracking.backend",
     "MLFLOW_TRACKING_URI": "tracking.mlflow_uri",
     "DET_LAB_AIM_REPO": "tracking.aim_repo",
-    "DET_LAB_MASTER": "master_url",
+    "DET_MASTER": "master_url",  # what the det CLI uses, and what Determined sets inside tasks
+    "DET_LAB_MASTER": "master_url",  # wins over DET_MASTER
 }
 
 _PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
@@ -176,7 +177,7 @@ def load_settings(
     """
     env = os.environ if env is None else env
     file = Path(path).expanduser() if path is not None else find_config_file(env)
-    raw: dict[str, Any] = _read_yaml(file) if file else {}
+    raw: dict[str, Any] = read_yaml_mapping(file, LabConfigError) if file else {}
     if file and isinstance(raw.get("data_root"), str):
         # relative data roots in a file are relative to that file
         raw["data_root"] = str((file.parent / Path(raw["data_root"]).expanduser()).absolute())
@@ -197,22 +198,23 @@ def load_settings(
     return LabSettings.model_validate({**raw, "source": file})
 
 
-def _read_yaml(file: Path) -> dict[str, Any]:
+def read_yaml_mapping(file: Path, error: type[Exception] = LabConfigError) -> dict[str, Any]:
+    """A YAML file whose top level is a mapping; every problem is one line raised as ``error``."""
     try:
         text = file.read_text()
     except OSError as exc:
-        raise LabConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
+        raise error(f"{file}: cannot read: {exc.strerror or exc}") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise LabConfigError(f"{file}{at}: invalid YAML: {problem}") from None
+        raise error(f"{file}{at}: invalid YAML: {problem}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise LabConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
+        raise error(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
     return data
 
 

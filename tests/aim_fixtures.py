@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from det_lab.tracking.mlflow_server import free_port
+
 AIM = Path(sys.executable).parent / "aim"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def port_open(port: int) -> bool:

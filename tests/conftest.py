@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.aim_fixtures import aim_server  # noqa: F401  (a fixture: a real `aim server` per test)
+
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -35,6 +37,16 @@ class Lab:
         if check and proc.returncode != 0:
             raise AssertionError(f"det-lab {' '.join(args)} -> {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
         return proc
+
+
+@pytest.fixture(scope="module")
+def mlflow_server(tmp_path_factory):
+    """A real ``mlflow server`` on 127.0.0.1 (SQLite on local disk), one per test module."""
+    from det_lab.tracking.mlflow_server import MlflowServer, free_port
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture

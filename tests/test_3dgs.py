@@ -22,7 +22,7 @@ import yaml
 from det_lab.data.demo import make_3dgs_demo
 from det_lab.scenes import ColmapError, load_scene, read_model
 from tests.conftest import VENV_BIN, Lab
-from tests.services import MlflowServer, free_port
+from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "experiment_templates" / "gaussian_splatting"
 VALIDATE = Path(__file__).resolve().parents[2] / "shared/tools/validate-expconf"

@@ -232,3 +232,29 @@ def test_example_cluster_config_renders_cleanly(tmp_path):
     assert master["security"]["default_task"]["user"] == "det-task"
     assert {"host_path": "/opt/isaac-assets", "container_path": "/opt/isaac-assets", "read_only": True,
             "propagation": "rslave"} in master["task_container_defaults"]["bind_mounts"]
+
+
+def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_path):
+    """`det-lab cluster template`: what JupyterLab/commands from the Web UI get via --template."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+
+    out = tmp_path / "det-lab-template.yaml"
+    proc = lab.cli("cluster", "template", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    tpl = yaml.safe_load(out.read_text())
+    mounts = {m["container_path"]: m for m in tpl["bind_mounts"]}
+    assert mounts[f"{lab.root}/datasets"]["read_only"] is True
+    assert mounts[f"{lab.root}/outputs"]["read_only"] is False
+    assert f"DET_LAB_DATA_ROOT={lab.root}" in tpl["environment"]["environment_variables"]
+    validator = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
+    if validator.exists():  # a template may only hold valid experiment-config keys
+        check = subprocess.run([str(validator), str(out)], capture_output=True, text=True,
+                               env={**os.environ, "PYTHON": str(Path(__import__("sys").executable))})
+        assert check.returncode == 0, check.stdout + check.stderr
+    # without a master or an admin password, --apply fails in one line
+    proc = lab.cli("cluster", "template", "--apply")
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr

@@ -19,20 +19,12 @@ from det_lab.rl.supervisor import Restore
 from det_lab.settings import load_settings
 from det_lab.volume import init_volume
 from tests.conftest import VENV_BIN
-from tests.services import MlflowServer, free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "experiment_templates" / "isaac_lab"
 needs_rsl_rl = pytest.mark.skipif(
     importlib.util.find_spec("rsl_rl") is None or importlib.util.find_spec("tensordict") is None,
     reason="rsl-rl-lib (and tensordict) not installed: pip install tensordict 'rsl-rl-lib>=5,<6' --no-deps",
 )
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

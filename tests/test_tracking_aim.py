@@ -18,7 +18,7 @@ import pytest
 
 from det_lab.tracking.aim_backend import AimBackend, coerce_param, derive_run_hash, merge_dotted
 from det_lab.tracking.events import Checkpoint, Metrics, Params, RunInfo, Tags
-from tests.aim_fixtures import AimServer, aim_server, free_port  # noqa: F401  (aim_server: fixture)
+from tests.aim_fixtures import AimServer, free_port
 
 T0 = 1_700_000_000.0
 

@@ -8,20 +8,11 @@ import sys
 import textwrap
 import time
 
-import pytest
 from mlflow.tracking import MlflowClient
 
 from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_backend import RUN_KEY_TAG, MlflowBackend
-from tests.services import MlflowServer, free_port
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
 
 
 def run_info(key: str) -> RunInfo:

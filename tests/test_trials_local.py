@@ -21,16 +21,8 @@ from det_lab.settings import load_settings
 from det_lab.trials.local import entry_command, sample_hparams
 from det_lab.volume import init_volume
 from tests.conftest import VENV_BIN
-from tests.services import MlflowServer, free_port
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

@@ -24,7 +24,6 @@ from det_lab.data.demo import IMAGE_KEY, make_vla_demo, make_vla_demo_v21
 from det_lab.datasets import LeRobotDataset, LeRobotDatasetError, VideoDecoderMissing, split_episodes
 from det_lab.settings import load_settings
 from tests.conftest import VENV_BIN, Lab
-from tests.services import MlflowServer, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "experiment_templates" / "vla"
@@ -304,13 +303,6 @@ def test_startup_hook_installs_det_lab_only_when_missing(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
 def vla_lab(tmp_path_factory, mlflow_server) -> Lab:
     """One lab for the end-to-end tests: demo datasets published, metrics going to MLflow."""
     tmp = tmp_path_factory.mktemp("vla-lab")
@@ -391,6 +383,7 @@ def test_preempted_run_resumes_from_its_checkpoint_in_the_same_mlflow_run(vla_la
     conf = yaml.safe_load((TEMPLATE / "const.yaml").read_text())
     conf["data"]["det_lab"]["max_length"] = {"batches": 240}
     conf["min_validation_period"] = {"batches": 40}
+    conf["min_checkpoint_period"] = {"batches": 40}
     conf["data"]["det_lab"]["reporting_batches"] = 20
     config = tmp_path / "short.yaml"
     config.write_text(yaml.safe_dump(conf))

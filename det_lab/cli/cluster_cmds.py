@@ -17,7 +17,7 @@ import yaml
 
 from det_lab.cli.common import console, err_console, fail, state
 from det_lab.cluster import deploy, plan
-from det_lab.cluster.config import render_agent, render_master
+from det_lab.cluster.config import render_agent, render_master, render_task_template
 from det_lab.cluster.schema import agent_errors, master_errors
 from det_lab.cluster.secrets import (
     ADMIN_PASSWORD_FILE,
@@ -284,3 +284,45 @@ def link_users(
             fail(f"linking {link.det_user}: {reason} (create the user first: det user create {link.det_user})")
         console.print(f"linked {link.det_user} -> uid {link.identity.uid} ({link.identity.user}), "
                       f"gid {link.identity.gid} ({link.identity.group})", highlight=False)
+
+
+@app.command()
+def template(
+    ctx: typer.Context,
+    name: str = typer.Option("det-lab", help="Template name in Determined."),
+    out: Path | None = typer.Option(None, "--out", help="Write the template here (default: print it)."),
+    apply: bool = typer.Option(False, "--apply", help="Register it with the master (det template create)."),
+) -> None:
+    """Render det_lab's config template (volume mounts, variables) and optionally register it.
+
+    JupyterLab, commands and experiments started with ``--template det-lab`` (or picked in the
+    Web UI) then see the NFS volume at its host paths.
+    """
+    lab, cluster = _load(ctx)
+    text = yaml.safe_dump(render_task_template(lab, cluster), sort_keys=False)
+    if out is not None:
+        out.write_text(text)
+        console.print(f"wrote {out}", highlight=False)
+    elif not apply:
+        typer.echo(text, nl=False)
+    if not apply:
+        return
+    det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
+    if det is None:
+        fail("the 'det' CLI is not installed: pip install determined==0.38.1")
+    master = lab.master_url or cluster.master_url
+    try:
+        admin_pw = read_private(private_dir() / ADMIN_PASSWORD_FILE)
+    except SecretError as exc:
+        fail(f"{exc} (register the template as the admin who ran 'det-lab cluster up')")
+    path = out or private_dir() / f"{name}-template.yaml"
+    if out is None:
+        path.write_text(text)
+    env = {**os.environ, "DET_USER": "admin", "DET_PASS": admin_pw}
+    proc = subprocess.run([det, "-m", master, "template", "create", name, str(path)], env=env,
+                          capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[-1]
+        fail(f"det template create {name}: {reason}")
+    console.print(f"registered template {name!r} with {master}", highlight=False)
+

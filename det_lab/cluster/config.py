@@ -167,3 +167,16 @@ def render_agent(cluster: ClusterSettings, agent_id: str, pool: str | None = Non
     if cluster.agent.visible_gpus:
         conf["visible_gpus"] = cluster.agent.visible_gpus
     return conf
+
+
+def render_task_template(lab: LabSettings, cluster: ClusterSettings) -> dict[str, Any]:
+    """A Determined config template (``det template create``) with det_lab's mounts and variables.
+
+    Master-level ``task_container_defaults`` already give every task these; the template also
+    carries them where a team runs det_lab against a master whose config it does not manage, and
+    names them in the Web UI's "Launch JupyterLab" dialog.
+    """
+    environment: dict[str, Any] = {"environment_variables": environment_variables(lab)}
+    if cluster.images.task:
+        environment["image"] = {"cpu": cluster.images.task, "cuda": cluster.images.task}
+    return {"bind_mounts": bind_mounts(lab, cluster), "environment": environment}

@@ -17,13 +17,12 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from det_lab.compat import DETERMINED_VERSION
-from det_lab.settings import LabSettings
+from det_lab.settings import LabSettings, read_yaml_mapping
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POOL = "default"
@@ -253,28 +252,12 @@ def load_cluster_settings(lab: LabSettings, path: Path | str | None = None) -> C
         file = default_cluster_file(lab)
         if not file.is_file():
             file = None
-    raw = _read_yaml(file) if file else {}
+    raw = read_yaml_mapping(file, ClusterConfigError) if file else {}
     where = str(file) if file else "built-in cluster defaults"
     try:
         return ClusterSettings.model_validate({**raw, "source": file})
     except ValidationError as exc:
         raise ClusterConfigError(f"{where}: {_one_line(exc)}") from None
-
-
-def _read_yaml(file: Path) -> dict[str, Any]:
-    try:
-        data = yaml.safe_load(file.read_text())
-    except OSError as exc:
-        raise ClusterConfigError(f"{file}: cannot read: {exc.strerror or exc}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-        raise ClusterConfigError(f"{file}{at}: invalid YAML: {getattr(exc, 'problem', None) or exc}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise ClusterConfigError(f"{file}: the top level must be a mapping of keys, not {type(data).__name__}")
-    return data
 
 
 def _one_line(exc: ValidationError) -> str:
