@@ -34,6 +34,7 @@ import yaml
 
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials import local
+from det_lab.trials.session import tracker_experiment
 from det_lab.volume import VolumeLayout, human_bytes
 
 if TYPE_CHECKING:
@@ -206,6 +207,7 @@ def _submit_local(settings: LabSettings, template: str, config: Path | None, see
           f"  run directory: {run.dir}\n  hyperparameters: {json.dumps(st['hparams'])}")
     proc = local.launch(run, cwd, command, settings)
     code = _watch(proc, run, poll)
+    local.record_exit(run, code)
     result = local_result(run.dir, settings)
     if code != 0:
         raise SubmitError(f"run {st['name']} exited with {code}; last log lines:\n"
@@ -255,11 +257,9 @@ def local_result(run_dir: Path, settings: LabSettings | None = None) -> SubmitRe
         path = ckpt_root / c["uuid"]
         checkpoints.append(CheckpointInfo(c["uuid"], int(c["step"]), path if path.is_dir() else None,
                                           dict(at[-1]["metrics"]) if at else {}))
-    summary = run.dir / "tracking-summary.json"
-    status = json.loads(summary.read_text()).get("status", "?") if summary.is_file() else "no summary"
+    status = {"finished": "COMPLETED", "stopped": "STOPPED", "failed": "ERROR"}.get(st.get("status", ""), "RUNNING")
     metric, smaller = _searcher(conf)
-    return SubmitResult("local", st["name"], st["template"], str(run.dir),
-                        "COMPLETED" if status == "FINISHED" else status, st["hparams"], metrics,
+    return SubmitResult("local", st["name"], st["template"], str(run.dir), status, st["hparams"], metrics,
                         checkpoints, metric, smaller)
 
 
@@ -474,7 +474,7 @@ def _mlflow_runs(settings: LabSettings, project: str) -> list[dict[str, Any]]:
     from det_lab.tracking.mlflow_backend import RUN_KEY_TAG
 
     client = _mlflow_client(settings)
-    exp = client.get_experiment_by_name(f"det_lab/{project}")
+    exp = client.get_experiment_by_name(tracker_experiment(project))
     if exp is None:
         return []
     rows = []
@@ -517,7 +517,7 @@ def _aim_runs(settings: LabSettings, project: str) -> list[dict[str, Any]]:
     rows = []
     for run in repo.iter_runs():
         meta = run.get("det_lab") or {}
-        if run.experiment != f"det_lab/{project}" or not meta.get("run_key"):
+        if run.experiment != tracker_experiment(project) or not meta.get("run_key"):
             continue
         link, kind = _link(meta)
         rows.append({

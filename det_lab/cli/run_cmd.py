@@ -35,6 +35,7 @@ def run(
     console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.dir / 'train.log'}", highlight=False)
     proc = local.launch(run_, cwd, command, settings)
     code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
+    local.record_exit(run_, code)
     _summary(run_, code)
     if code != 0:
         raise typer.Exit(code if code > 0 else 1)
@@ -43,7 +44,8 @@ def run(
 def _summary(run_: local.LocalRun, code: int) -> None:
     st = run_.state()
     step, val = local.progress_of(run_)
-    table = Table(title=f"{st['name']}: {'finished' if code == 0 else f'exited with {code}'}", show_header=False,
+    title = st["status"] if code == 0 else f"{st['status']} (exit code {code})"
+    table = Table(title=f"{st['name']}: {title}", show_header=False,
                   title_justify="left")
     table.add_row("run directory", str(run_.dir))
     table.add_row("steps", f"{step} of {st['max_length']} {st['max_length_unit']}")
@@ -61,5 +63,6 @@ def _summary(run_: local.LocalRun, code: int) -> None:
             table.add_row(b["backend"], line)
     if code != 0:
         table.add_row("last log lines", local.tail(run_.dir / "train.log"))
-        table.add_row("resume with", f"det-lab run {st['template']} --local --resume")
+    if st["status"] != "finished":
+        table.add_row("resume with", f"det-lab run {st['template']} --local --resume --run {st['name']}")
     console.print(table)

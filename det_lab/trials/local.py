@@ -187,7 +187,7 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     rng = random.Random(seed)
     command = entry_command(conf.get("entrypoint") or "")
     run.save({
-        "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path),
+        "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path.resolve()),
         "cwd": str(tdir), "command": command, "exp_conf": conf,
         "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
         "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
@@ -231,6 +231,16 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 120.0) -> int:
     except subprocess.TimeoutExpired:
         proc.kill()
         return proc.wait()
+
+
+def record_exit(run: LocalRun, code: int) -> str:
+    """Store how the trial process ended in ``run.json``: finished, stopped (resumable) or failed."""
+    state = run.state()
+    step, _ = progress_of(run)
+    status = "finished" if code == 0 and step >= state["max_length"] - 1 else "stopped" if code == 0 else "failed"
+    state.update(status=status, exit_code=code)
+    run.save(state)
+    return status
 
 
 def progress_of(run: LocalRun) -> tuple[int, dict[str, float]]:

@@ -72,13 +72,13 @@ def current_trial(exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any
             if conf.get(key):
                 tags[f"det.{key}"] = str(conf[key])
         run = RunInfo(key=f"det-{info.cluster_id}-e{exp}-t{tid}", name=f"{name} (trial {tid})",
-                      experiment=_tracker_experiment(conf), tags=tags)
+                      experiment=tracker_experiment(_conf_project(conf)), tags=tags)
         return TrialIdentity(run, True, conf, dict(trial.hparams), info.latest_checkpoint)
     run_file = os.environ.get(LOCAL_RUN_ENV)
     if run_file:
         state = json.loads(Path(run_file).read_text())
         conf = state["exp_conf"]
-        run = RunInfo(key=state["run_key"], name=state["name"], experiment=_tracker_experiment(conf),
+        run = RunInfo(key=state["run_key"], name=state["name"], experiment=tracker_experiment(_conf_project(conf)),
                       tags={"det.local_run": state["name"], "det.local_run_dir": str(Path(run_file).parent)})
         return TrialIdentity(run, False, conf, state["hparams"], state.get("latest_checkpoint"),
                              Path(run_file).parent, state.get("max_length"), state.get("seed"))
@@ -88,13 +88,17 @@ def current_trial(exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any
             "'det-lab run <template> --local' or pass exp_conf/hparams"
         )
     name = exp_conf.get("name", "local")
-    return TrialIdentity(RunInfo(key=f"local-{name}", name=name, experiment=_tracker_experiment(exp_conf)),
+    return TrialIdentity(RunInfo(key=f"local-{name}", name=name, experiment=tracker_experiment(_conf_project(exp_conf))),
                          False, exp_conf, dict(hparams or {}), None)
 
 
-def _tracker_experiment(conf: dict[str, Any]) -> str:
-    project = ((conf.get("data") or {}).get("det_lab") or {}).get("project", "default")
+def tracker_experiment(project: str) -> str:
+    """The MLflow/Aim experiment a project's runs go to."""
     return f"det_lab/{project}"
+
+
+def _conf_project(conf: dict[str, Any]) -> str:
+    return ((conf.get("data") or {}).get("det_lab") or {}).get("project", "default")
 
 
 class LabSession:
