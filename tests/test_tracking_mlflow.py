@@ -174,3 +174,17 @@ def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, mlflow_serv
     (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = 'left-behind'")
     assert history(client, run.info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
     assert "0 journal(s)" in lab.cli("tracking", "status").stdout
+
+
+def test_infinite_values_arrive_and_do_not_block_delivery(mlflow_server, tmp_path):
+    mirror = Mirror(run_info("inf"), [MlflowBackend(mlflow_server.uri)], tmp_path / "journal", interval=0.2)
+    mirror.log_metrics("training", 1, {"loss": float("inf"), "ok": 1.0})
+    mirror.log_metrics("training", 2, {"loss": 2.0, "ok": 2.0})
+    summary = mirror.close()
+    assert summary.complete, str(summary)
+    client = MlflowClient(mlflow_server.uri)
+    losses = sorted((m.step, m.value) for m in client.get_metric_history(summary.backends[0].run_id, "training/loss"))
+    import sys
+
+    # MLflow's SQL store keeps +inf as the largest double
+    assert losses in ([(1, float("inf")), (2, 2.0)], [(1, sys.float_info.max), (2, 2.0)])

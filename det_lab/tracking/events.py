@@ -7,7 +7,7 @@ them in order after an outage or a restart.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
 
@@ -72,7 +72,8 @@ _KINDS: dict[str, type] = {cls.kind: cls for cls in (Metrics, Params, Tags, Chec
 
 
 def to_record(seq: int, event: Event) -> dict[str, Any]:
-    return {"seq": seq, "kind": event.kind, **asdict(event)}
+    # a shallow copy: dataclasses.asdict deep-copies, and this runs for every journaled event
+    return {"seq": seq, "kind": event.kind, **vars(event)}
 
 
 def from_record(record: dict[str, Any]) -> tuple[int, Event]:

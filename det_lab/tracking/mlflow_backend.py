@@ -8,6 +8,7 @@ retries by itself and must notice an outage in seconds.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,6 +29,13 @@ def _local_base() -> Path:
     base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "det-lab"
     base.mkdir(parents=True, exist_ok=True)
     return base
+
+
+def _json_double(value: float) -> float | str:
+    """Protobuf's JSON form of a double: infinities as strings (bare ``Infinity`` is not JSON)."""
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
 def default_local_uri() -> str:
@@ -107,7 +115,7 @@ class MlflowBackend(TrackerBackend):
                 artifacts.append(e)
         assert self._run_id is not None, "open() first"
         for i in range(0, len(metrics), MAX_METRICS):
-            self._client.log_batch(self._run_id, metrics=metrics[i:i + MAX_METRICS], synchronous=True)
+            self._log_metrics(metrics[i:i + MAX_METRICS])
         p, t = list(params.items()), list(tags.items())
         for i in range(0, max(len(p), len(t)), MAX_PARAMS_TAGS):
             self._client.log_batch(self._run_id, params=[Param(k, v) for k, v in p[i:i + MAX_PARAMS_TAGS]],
@@ -116,6 +124,23 @@ class MlflowBackend(TrackerBackend):
         for a in artifacts:
             if Path(a.path).exists():  # a file deleted before delivery is skipped, not retried forever
                 self._client.log_artifact(self._run_id, a.path, artifact_path=f"{a.name}/step_{a.step:08d}")
+
+    def _log_metrics(self, metrics: list) -> None:
+        """``log_batch`` of metrics. Against a server, the REST call is made directly: MLflow's
+        client spends ~25 µs of CPU a point turning entities into protobuf and JSON, in the
+        training process; the plain JSON body costs a sixth of that."""
+        if not self.uri.startswith(("http://", "https://")):
+            self._client.log_batch(self._run_id, metrics=metrics, synchronous=True)
+            return
+        from mlflow.utils.rest_utils import http_request, verify_rest_response
+
+        endpoint = "/api/2.0/mlflow/runs/log-batch"
+        body = {"run_id": self._run_id, "metrics": [
+            {"key": m.key, "value": _json_double(m.value), "timestamp": m.timestamp, "step": m.step} for m in metrics]}
+        verify_rest_response(http_request(self._host_creds(), endpoint, "POST", json=body), endpoint)
+
+    def _host_creds(self):
+        return self._client._tracking_client.store.get_host_creds()
 
     def close(self, status: RunStatus) -> None:
         if self._run_id is not None:
