@@ -253,6 +253,18 @@ def logs(
         fail(str(exc))
 
 
+def _det_as_admin(what: str) -> tuple[str, dict[str, str]]:
+    """The ``det`` CLI and an environment that logs it in as the cluster's admin."""
+    det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
+    if det is None:
+        fail("the 'det' CLI is not installed: pip install determined==0.38.1")
+    try:
+        admin_pw = read_private(private_dir() / ADMIN_PASSWORD_FILE)
+    except SecretError as exc:
+        fail(f"{exc} ({what} as the admin who ran 'det-lab cluster up')")
+    return det, {**os.environ, "DET_USER": "admin", "DET_PASS": admin_pw}
+
+
 @app.command("link-users")
 def link_users(
     ctx: typer.Context,
@@ -269,14 +281,7 @@ def link_users(
         for link in links:
             typer.echo(link.command(master=master))
         return
-    det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
-    if det is None:
-        fail("the 'det' CLI is not installed: pip install determined==0.38.1")
-    try:
-        admin_pw = read_private(private_dir() / ADMIN_PASSWORD_FILE)
-    except SecretError as exc:
-        fail(f"{exc} (run link-users as the admin who ran 'det-lab cluster up')")
-    env = {**os.environ, "DET_USER": "admin", "DET_PASS": admin_pw}
+    det, env = _det_as_admin("run link-users")
     for link in links:
         proc = subprocess.run(link.argv(det, master), env=env, capture_output=True, text=True, timeout=60)
         if proc.returncode != 0:
@@ -307,18 +312,11 @@ def template(
         typer.echo(text, nl=False)
     if not apply:
         return
-    det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
-    if det is None:
-        fail("the 'det' CLI is not installed: pip install determined==0.38.1")
+    det, env = _det_as_admin("register the template")
     master = lab.master_url or cluster.master_url
-    try:
-        admin_pw = read_private(private_dir() / ADMIN_PASSWORD_FILE)
-    except SecretError as exc:
-        fail(f"{exc} (register the template as the admin who ran 'det-lab cluster up')")
     path = out or private_dir() / f"{name}-template.yaml"
     if out is None:
         path.write_text(text)
-    env = {**os.environ, "DET_USER": "admin", "DET_PASS": admin_pw}
     proc = subprocess.run([det, "-m", master, "template", "create", name, str(path)], env=env,
                           capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
