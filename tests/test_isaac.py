@@ -88,7 +88,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     config = short_config(lab, 30, iteration_sleep=0.25)
     proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TEMPLATE), "--local", "--config", str(config)],
                             env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    run_dir = wait_until(lambda: next(iter(runs_root(lab).glob("*/run.json")), None), proc, 60, "a run").parent
+    run_dir = wait_until(lambda: next(iter(runs_root(lab).glob("[!.]*/run.json")), None), proc, 60, "a run").parent
 
     # metrics and checkpoints arrive while the child trains, in det-lab's progress file and in MLflow
     wait_until(lambda: any(c["step"] >= 5 for c in state(run_dir)["checkpoints"]), proc, 120, "checkpoint 5")

@@ -96,7 +96,7 @@ def wait_for_step(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeo
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
         for run_dir in run_dir_parent.glob("*/"):
-            if run_dir in exclude:
+            if run_dir in exclude or run_dir.name.startswith("."):
                 continue
             ckpts = run_state(run_dir).get("checkpoints", []) if (run_dir / "run.json").exists() else []
             if any(c["step"] >= step for c in ckpts):

@@ -316,7 +316,8 @@ def vla_lab(tmp_path_factory, mlflow_server) -> Lab:
 
 
 def _runs(lab: Lab) -> list[Path]:
-    return sorted((lab.root / "outputs" / "vla" / "local-runs").glob("vla-*"), key=lambda p: p.stat().st_mtime)
+    runs = (p for p in (lab.root / "outputs" / "vla" / "local-runs").glob("vla-*") if (p / "run.json").is_file())
+    return sorted(runs, key=lambda p: p.stat().st_mtime)
 
 
 def _metrics(run_dir: Path, group: str) -> list[dict]:

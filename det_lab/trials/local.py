@@ -181,18 +181,21 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         return run, Path(state["cwd"]), state["command"]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
-    run = LocalRun(root / name)
-    run.dir.mkdir()
+    # the run directory appears complete (with its run.json) or not at all
+    staging = LocalRun(root / f".{name}.tmp")
+    staging.dir.mkdir()
     seed = seed if seed is not None else (conf.get("reproducibility") or {}).get("experiment_seed", 0)
     rng = random.Random(seed)
     command = entry_command(conf.get("entrypoint") or "")
-    run.save({
+    staging.save({
         "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path.resolve()),
         "cwd": str(tdir), "command": command, "exp_conf": conf,
         "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
         "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
         "seed": seed, "latest_checkpoint": None, "checkpoints": [], "created": stamp,
     })
+    run = LocalRun(root / name)
+    staging.dir.rename(run.dir)
     return run, tdir, command
 
 
