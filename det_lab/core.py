@@ -38,25 +38,11 @@ class LabContext:
     core: Any
     session: LabSession
 
-    @property
-    def train(self):
-        return self.core.train
-
-    @property
-    def checkpoint(self):
-        return self.core.checkpoint
-
-    @property
-    def preempt(self):
-        return self.core.preempt
-
-    @property
-    def distributed(self):
-        return self.core.distributed
-
-    @property
-    def searcher(self):
-        return self.core.searcher
+    def __getattr__(self, name: str) -> Any:
+        # train, checkpoint, preempt, distributed, searcher: the instrumented det.core.Context's own
+        if name in ("core", "session"):  # not set yet (copy/unpickle): no recursion
+            raise AttributeError(name)
+        return getattr(self.core, name)
 
     @property
     def dataset(self) -> PulledDataset | None:

@@ -33,7 +33,7 @@ def init(
     )
     if demo:
         from det_lab.data import DataError
-        from det_lab.data.demos import publish_demos
+        from det_lab.data.publish import publish_demos
 
         try:
             with console.status("generating and publishing the demo datasets"):

@@ -298,9 +298,7 @@ def work_dir_for(ctx: Any) -> Path:
 
 def total_iterations(ctx: Any) -> int:
     """The trial's length in iterations: ``data.det_lab.max_length.batches`` (or the searcher's max_time)."""
-    from det_lab.trials.expconf import training_length
-
-    return training_length(ctx.session.identity.exp_conf, ctx.session.lab).value
+    return ctx.max_length
 
 
 def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildCommand]], **kwargs: Any) -> Outcome:

@@ -7,6 +7,7 @@ them in order after an outage or a restart.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
 
@@ -81,6 +82,17 @@ def from_record(record: dict[str, Any]) -> tuple[int, Event]:
     seq = record.pop("seq")
     cls = _KINDS[record.pop("kind")]
     return seq, cls(**record)
+
+
+def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The values of ``metrics`` that are numbers (numpy/torch scalars included), as floats."""
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        try:
+            out[str(k)] = float(v)
+        except (TypeError, ValueError):
+            continue
+    return out
 
 
 def flatten(params: dict[str, Any], prefix: str = "") -> dict[str, str]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
-from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags, flatten
+from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags, flatten, numeric
 from det_lab.tracking.journal import Cursor, Journal
 
 log = logging.getLogger("det_lab.tracking")
@@ -104,14 +104,7 @@ class Mirror:
 
     def log_metrics(self, group: str, step: int, metrics: Mapping[str, Any]) -> None:
         """Record a metric group at ``step``. Non-numeric values are skipped."""
-        values = {}
-        for k, v in metrics.items():
-            try:
-                f = float(v)
-            except (TypeError, ValueError):
-                continue
-            if not math.isnan(f):
-                values[str(k)] = f
+        values = {k: v for k, v in numeric(metrics).items() if not math.isnan(v)}
         if values:
             self._put(Metrics(group, int(step), values))
 

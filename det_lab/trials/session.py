@@ -34,7 +34,7 @@ from det_lab.data import pull as pull_dataset
 from det_lab.data.git import describe_commit
 from det_lab.settings import LabSettings
 from det_lab.tracking import DeliverySummary, Mirror, RunInfo, open_mirror
-from det_lab.tracking.events import flatten
+from det_lab.tracking.events import flatten, numeric
 from det_lab.trials.expconf import LabTrialConfig, lab_section
 from det_lab.volume import VolumeLayout, atomic_write_text
 
@@ -218,7 +218,7 @@ class LabSession:
         if self.mirror:
             self.mirror.log_metrics(group, step, metrics)
         if self.identity.run_dir is not None and self.is_chief:
-            line = {"group": group, "step": int(step), "metrics": _floats(metrics)}
+            line = {"group": group, "step": int(step), "metrics": numeric(metrics)}
             with open(self.identity.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(line) + "\n")
 
@@ -267,13 +267,3 @@ def _seed_everything(seed: int) -> None:
         torch.manual_seed(seed)
     except ImportError:
         pass
-
-
-def _floats(metrics: dict[str, Any]) -> dict[str, float]:
-    out = {}
-    for k, v in metrics.items():
-        try:
-            out[k] = float(v)
-        except (TypeError, ValueError):
-            continue
-    return out

@@ -24,8 +24,6 @@ from rasterizer import Camera, Rasterizer, make_rasterizer
 
 import det_lab.core
 from det_lab.scenes import Scene, load_scene
-from det_lab.trials.expconf import training_length
-from det_lab.volume import VolumeLayout
 
 log = logging.getLogger("3dgs")
 
@@ -56,11 +54,7 @@ def render(model: GaussianModel, rast: Rasterizer, cam: Camera, background: torc
 
 def renders_dir(ctx: Any) -> Path:
     """``<local run dir>/renders``, or on a cluster ``<data root>/outputs/<project>/<run key>/renders``."""
-    session = ctx.session
-    if session.identity.run_dir is not None:
-        return session.identity.run_dir / "renders"
-    outputs = VolumeLayout.from_settings(session.settings).outputs(session.lab.project)
-    return outputs / session.identity.run.key / "renders"
+    return ctx.outputs_dir / "renders"
 
 
 def save_render(path: Path, render_img: torch.Tensor, truth: torch.Tensor) -> None:
@@ -78,7 +72,7 @@ def main() -> None:
 
 def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     hp = ctx.hparams
-    total = training_length(ctx.session.identity.exp_conf, ctx.session.lab).value
+    total = ctx.max_length
     report_every = ctx.session.lab.reporting_batches or 50
     seed = int(hp.get("seed", 0))
     backend = hp.get("backend", "torch")
