@@ -9,15 +9,19 @@ Where it comes from, first match wins:
 5. none: built-in defaults.
 
 Environment variables override single keys of whatever file was found (see ``ENV_OVERRIDES``).
-Every problem is raised as :class:`LabConfigError`, whose message is one line naming the file
-(or variable) and the key.
+Every ``DET_LAB_*`` variable det_lab reads is declared and parsed here (``ENV_VARS``,
+:func:`env_value`); :func:`load_settings` checks all that are set, so a bad value is one error
+before any command does anything. Every problem is raised as :class:`LabConfigError`, whose
+message is one line naming the file (or variable) and the key.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlparse
@@ -43,10 +47,115 @@ ENV_OVERRIDES: dict[str, str] = {
 }
 
 _PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_SIZE = re.compile(r"\s*(\d+(\.\d+)?|\.\d+)\s*([a-zA-Z]{1,3})?\s*")
 
 
 class LabConfigError(ValueError):
     """A lab configuration problem, phrased as one line for the user."""
+
+
+def _positive(kind: type[int] | type[float]) -> Callable[[str], Any]:
+    def parse(text: str) -> int | float:
+        value = kind(text)  # ValueError for "soon", "1.5" as int ...
+        if value <= 0:
+            raise ValueError
+        return value
+    parse.__doc__ = f"a positive {'whole ' if kind is int else ''}number"
+    return parse
+
+
+def _choice(*values: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in values:
+            raise ValueError
+        return text
+    parse.__doc__ = "one of " + ", ".join(values)
+    return parse
+
+
+def _text(text: str) -> str:
+    """any text"""
+    return text
+
+
+def _existing_dir(text: str) -> Path:
+    """an existing directory"""
+    path = Path(text).expanduser()
+    if not path.is_dir():
+        raise ValueError
+    return path
+
+
+def _path(text: str) -> Path:
+    """a path"""
+    return Path(text).expanduser()
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One environment variable det_lab reads: how to parse it and what it is for (README table)."""
+
+    parse: Callable[[str], Any]
+    help: str
+    bad_example: str | None = None  # a value the parser refuses (the tests try each)
+
+
+#: every DET_LAB_* variable det_lab reads (and the non-DET_LAB ones it honours), parsed here only
+ENV_VARS: dict[str, EnvVar] = {
+    "DET_LAB_CONFIG": EnvVar(_path, "lab config file (must exist when set); same as `--config`"),
+    "DET_LAB_DATA_ROOT": EnvVar(_path, "overrides `data_root`: the shared volume"),
+    "DET_LAB_GROUP": EnvVar(_text, "overrides `group`: Unix group owning the volume"),
+    "DET_LAB_TRACKING": EnvVar(_choice("mlflow", "aim", "both", "none"), "overrides `tracking.backend`",
+                               "tensorboard"),
+    "DET_LAB_AIM_REPO": EnvVar(_text, "overrides `tracking.aim_repo` (aim://host:port or an absolute path)",
+                               "relative/repo"),
+    "DET_LAB_MASTER": EnvVar(_text, "overrides `master_url` (wins over `DET_MASTER`)", "ftp://host"),
+    "DET_MASTER": EnvVar(_text, "overrides `master_url`; what the det CLI and Determined tasks use"),
+    "MLFLOW_TRACKING_URI": EnvVar(_text, "overrides `tracking.mlflow_uri`", "nonsense"),
+    "DET_LAB_LOCK_LIFETIME": EnvVar(_positive(int), "seconds a volume lock outlives a holder that stopped "
+                                    "refreshing it (a machine lost mid-pull); default 60", "soon"),
+    "DET_LAB_TEMPLATES": EnvVar(_existing_dir, "directory of experiment templates for `det-lab run` "
+                                "(default: the installed experiment_templates/)", "/nonexistent/templates"),
+    "DET_LAB_CLUSTER_CONFIG": EnvVar(_path, "cluster config file; same as `--cluster-config`"),
+    "DET_LAB_CLUSTER_DIR": EnvVar(_path, "where cluster secrets and rendered files are kept"),
+    "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
+    "DET_LAB_NOTEBOOK_OUT": EnvVar(_path, "where notebooks write plots (default ./notebook-out)"),
+    "DET_LAB_NOTEBOOK_CONFIG": EnvVar(_path, "experiment config the notebooks submit"),
+    "DET_LAB_NOTEBOOK_TRACKER": EnvVar(_choice("mlflow", "aim"), "tracker the notebooks read", "wandb"),
+    "DET_LAB_DET_TEMPLATE": EnvVar(_text, "Determined config template the notebooks submit with "
+                                   "(default det-lab; empty for none)"),
+    "DET_LAB_RL_PREEMPT_TIMEOUT": EnvVar(_positive(float), "seconds the rsl_rl supervisor waits for a "
+                                         "preempted learner to save (default 90)", "-1"),
+    "DET_LAB_RL_STOP_FILE": EnvVar(_path, "set by the rsl_rl supervisor for its learner: stop after "
+                                   "the next save once this file exists"),
+    "DET_LAB_STANDIN_CRASH_AT": EnvVar(_positive(int), "test hook: the Isaac stand-in raises at this "
+                                       "iteration", "ten"),
+    "DET_LAB_LOCAL_RUN": EnvVar(_path, "set by `det-lab run --local` for its trial: the run's run.json"),
+    "DET_LAB_CODE_COMMIT": EnvVar(_text, "set by `det-lab run --local` for its trial: the code's git commit"),
+}
+
+
+def env_value(name: str, default: Any = None, env: Mapping[str, str] | None = None) -> Any:
+    """``name`` from the environment, parsed as declared in ``ENV_VARS``; ``default`` when unset
+    or empty. An unparseable value is a one-line :class:`LabConfigError` naming the variable."""
+    env = os.environ if env is None else env
+    text = env.get(name)
+    if text is None or text == "":
+        return default
+    var = ENV_VARS[name]
+    try:
+        return var.parse(text)
+    except ValueError:
+        raise LabConfigError(
+            f"environment variable {name}={text}: must be {var.parse.__doc__}; fix or unset it"
+        ) from None
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> None:
+    """Parse every declared variable that is set, so a bad one fails before any work."""
+    env = os.environ if env is None else env
+    for name in ENV_VARS:
+        env_value(name, env=env)
 
 
 class _Strict(BaseModel):
@@ -58,6 +167,14 @@ class ProjectSettings(_Strict):
 
     quota: ByteSize = ByteSize(DEFAULT_QUOTA_BYTES)
     description: str = ""
+
+    @field_validator("quota", mode="before")
+    @classmethod
+    def _whole_size(cls, v: Any) -> Any:
+        # pydantic parses only a prefix of the text: "1.5.5GiB" would be 1 byte
+        if isinstance(v, str) and not _SIZE.fullmatch(v):
+            raise ValueError(f"{v!r} is not a size such as 500GiB, 1.5TiB or 100GB")
+        return v
 
     @field_validator("quota")
     @classmethod
@@ -176,6 +293,7 @@ def load_settings(
     ``path`` overrides the search; ``env`` defaults to ``os.environ``.
     """
     env = os.environ if env is None else env
+    check_environment(env)
     file = Path(path).expanduser() if path is not None else find_config_file(env)
     raw: dict[str, Any] = read_yaml_mapping(file, LabConfigError) if file else {}
     if file and isinstance(raw.get("data_root"), str):
@@ -201,9 +319,12 @@ def load_settings(
 def read_yaml_mapping(file: Path, error: type[Exception] = LabConfigError) -> dict[str, Any]:
     """A YAML file whose top level is a mapping; every problem is one line raised as ``error``."""
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as exc:
         raise error(f"{file}: cannot read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise error(f"{file}: not UTF-8 text (byte {exc.object[exc.start]:#x} at offset {exc.start}); "
+                    "save it as UTF-8") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

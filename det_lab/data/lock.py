@@ -16,7 +16,9 @@ from pathlib import Path
 
 from flufl.lock import Lock, NotLockedError, TimeOutError
 
-DEFAULT_LIFETIME = dt.timedelta(seconds=int(os.environ.get("DET_LAB_LOCK_LIFETIME", "60")))
+from det_lab.settings import env_value
+
+DEFAULT_LIFETIME_S = 60
 
 
 class LockTimeout(TimeoutError):
@@ -26,7 +28,9 @@ class LockTimeout(TimeoutError):
 class VolumeLock:
     """``with VolumeLock(path): ...`` holds ``path`` exclusively across processes and machines."""
 
-    def __init__(self, path: Path, lifetime: dt.timedelta = DEFAULT_LIFETIME, timeout: float = 6 * 3600) -> None:
+    def __init__(self, path: Path, lifetime: dt.timedelta | None = None, timeout: float = 6 * 3600) -> None:
+        if lifetime is None:
+            lifetime = dt.timedelta(seconds=env_value("DET_LAB_LOCK_LIFETIME", DEFAULT_LIFETIME_S))
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.timeout = timeout
