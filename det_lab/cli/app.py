@@ -9,6 +9,7 @@ import typer
 from det_lab import __version__
 from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cmds
 from det_lab.cli import cluster_cmds
+from det_lab.cli import templates_cmds
 from det_lab.cli.common import State
 
 app = typer.Typer(
@@ -45,6 +46,7 @@ app.add_typer(data_cmds.app, name="data")
 app.command()(run_cmd.run)
 app.add_typer(tracking_cmds.app, name="tracking")
 app.add_typer(cluster_cmds.app, name="cluster")
+app.add_typer(templates_cmds.app, name="templates")
 
 
 def main() -> None:

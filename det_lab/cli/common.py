@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import NoReturn
 
@@ -10,8 +11,11 @@ from rich.console import Console
 
 from det_lab.settings import LabConfigError, LabSettings, load_settings
 
-console = Console()
-err_console = Console(stderr=True)
+# Piped or redirected output keeps whole lines: paths and commands are for copying, and rich
+# would otherwise cut tables to 80 columns with an ellipsis.
+_UNLIMITED = 10_000
+console = Console(width=None if sys.stdout.isatty() else _UNLIMITED)
+err_console = Console(stderr=True, width=None if sys.stderr.isatty() else _UNLIMITED)
 
 
 class State:

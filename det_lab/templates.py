@@ -1,0 +1,159 @@
+"""The experiment templates and notebooks shipped with det_lab, found the same way in a git
+checkout and in an installed wheel; and ``--set KEY=VALUE`` overrides of an experiment config.
+
+A checkout keeps them at the repository root (``experiment_templates/``, ``notebooks/``), where
+``det experiment create <config> experiment_templates/vla`` uses them as they are; a wheel
+carries the same files as package data under ``det_lab/_templates/`` and ``det_lab/_notebooks/``
+(see ``setup.py``). ``DET_LAB_TEMPLATES`` points at another templates directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+TEMPLATES_ENV = "DET_LAB_TEMPLATES"
+#: the names templates are known by (help, errors, listings), and their directories
+NAMES = {"vla": "vla", "3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
+NOTEBOOKS = "notebooks"
+#: what `copy` leaves out: interpreter caches
+_IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
+
+_PACKAGE = Path(__file__).resolve().parent
+
+
+class TemplateError(ValueError):
+    """An unknown template, or a copy that cannot be made; one line naming the fix."""
+
+
+@dataclass(frozen=True)
+class Template:
+    """A template directory and the name det_lab knows it by."""
+
+    name: str
+    path: Path
+
+    @property
+    def summary(self) -> str:
+        """The first sentence-ish line of the template's README (its title), or ''."""
+        readme = self.path / "README.md"
+        try:
+            lines = readme.read_text().splitlines()
+        except OSError:
+            return ""
+        return next((line.lstrip("# ").strip() for line in lines if line.strip()), "")
+
+
+def _first_dir(*candidates: Path) -> Path | None:
+    return next((c for c in candidates if c.is_dir()), None)
+
+
+def templates_root() -> Path:
+    """The directory holding the templates: $DET_LAB_TEMPLATES, the wheel's copy, or the checkout's."""
+    env = os.environ.get(TEMPLATES_ENV)
+    if env:
+        return Path(env).expanduser()
+    found = _first_dir(_PACKAGE / "_templates", _PACKAGE.parent / "experiment_templates")
+    if found is None:
+        raise TemplateError(f"no experiment templates next to {_PACKAGE}: reinstall det-lab, "
+                            f"or set {TEMPLATES_ENV} to a directory of templates")
+    return found
+
+
+def notebooks_dir() -> Path:
+    """The directory holding the notebooks (the wheel's copy, or the checkout's)."""
+    found = _first_dir(_PACKAGE / "_notebooks", _PACKAGE.parent / "notebooks")
+    if found is None:
+        raise TemplateError(f"no notebooks next to {_PACKAGE}: reinstall det-lab")
+    return found
+
+
+def available() -> list[Template]:
+    """The shipped templates under their names (``vla``, ``3dgs``, ``isaac``) and any other
+    template directories in :func:`templates_root`, under their directory names."""
+    root = templates_root()
+    dirs = {v: k for k, v in NAMES.items()}
+    if not root.is_dir():
+        return []
+    return sorted((Template(dirs.get(p.name, p.name), p.resolve())
+                   for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))),
+                  key=lambda t: (list(NAMES).index(t.name) if t.name in NAMES else len(NAMES), t.name))
+
+
+def names_hint() -> str:
+    """``vla, 3dgs, isaac``: the names to offer in help texts and errors."""
+    return ", ".join(t.name for t in available()) or ", ".join(NAMES)
+
+
+def resolve(name: str) -> Path:
+    """A template name (``vla``, ``3dgs``, ``isaac``; directory names work too) or a directory
+    holding an experiment config, as an absolute path."""
+    as_path = Path(name).expanduser()
+    if as_path.is_dir():
+        return as_path.resolve()
+    for t in available():
+        if name in (t.name, t.path.name):
+            return t.path
+    raise TemplateError(f"no template or directory {name!r} (templates: {names_hint()}; "
+                        f"'det-lab templates list' shows them)")
+
+
+def name_of(path: Path) -> str:
+    """The name a template directory is known by: ``3dgs`` for ``gaussian_splatting``."""
+    return {v: k for k, v in NAMES.items()}.get(path.name, path.name)
+
+
+def copy(name: str, dest: Path) -> Path:
+    """Copy template ``name`` (or ``notebooks``) to the new directory ``dest``, to edit and submit.
+
+    The copy appears whole or not at all: it is made beside ``dest`` and renamed into place.
+    """
+    source = notebooks_dir() if name == NOTEBOOKS else resolve(name)
+    dest = dest.expanduser().absolute()
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise TemplateError(f"{dest} already exists; name a new directory")
+    if not dest.parent.is_dir():
+        raise TemplateError(f"{dest.parent} does not exist; create it first")
+    staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+    try:
+        shutil.copytree(source, staging / "t", ignore=_IGNORE)
+        if dest.exists():
+            dest.rmdir()  # empty, checked above
+        (staging / "t").rename(dest)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return dest
+
+
+def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
+    """Apply ``KEY=VALUE`` assignments with dotted keys to an experiment config, in place.
+
+    Values are parsed as YAML (``50`` is a number, ``[a, b]`` a list, ``null`` None); missing
+    mappings on the way are created. ``data.det_lab.max_length.batches=50`` sets
+    ``conf["data"]["det_lab"]["max_length"]["batches"] = 50``.
+    """
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(parts):
+            raise TemplateError(f"--set {item!r}: expected KEY=VALUE with a dotted KEY, "
+                                f"e.g. data.det_lab.max_length.batches=50")
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError as exc:
+            raise TemplateError(f"--set {key}: the value is not valid YAML ({exc.problem}); quote it") from None
+        node = conf
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                where = ".".join(parts[: i + 1])
+                raise TemplateError(f"--set {key}: {where} is a {type(child).__name__}, not a mapping")
+            node = child
+        node[parts[-1]] = value
+    return conf
