@@ -23,17 +23,17 @@ from typing import Any
 
 from determined import core as det_core
 
-from det_lab.data import PulledDataset
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.expconf import lab_section, training_length
+from det_lab.trials.expconf import lab_section
 from det_lab.trials.session import LabSession, current_trial
 from det_lab.trials.shims import harness_shims
+from det_lab.trials.surface import TrialSurface
 from det_lab.volume import VolumeLayout
 
 
 @dataclass
-class LabContext:
-    """``det.core.Context`` plus what det_lab prepared for the trial."""
+class LabContext(TrialSurface):
+    """``det.core.Context`` plus what det_lab prepared for the trial (:class:`TrialSurface`)."""
 
     core: Any
     session: LabSession
@@ -43,30 +43,6 @@ class LabContext:
         if name in ("core", "session"):  # not set yet (copy/unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.core, name)
-
-    @property
-    def dataset(self) -> PulledDataset | None:
-        return self.session.dataset
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        return self.session.identity.hparams
-
-    @property
-    def latest_checkpoint(self) -> str | None:
-        return self.session.identity.latest_checkpoint
-
-    @property
-    def max_length(self) -> int:
-        """Training length from the experiment config (batches/iterations, or epochs)."""
-        return training_length(self.session.identity.exp_conf, self.session.lab).value
-
-    @property
-    def outputs_dir(self) -> Path:
-        """This trial's directory for renders, logs and exports (created on first use)."""
-        path = self.session.outputs_dir
-        path.mkdir(parents=True, exist_ok=True)
-        return path
 
 
 def local_checkpoint_dir(settings: LabSettings, project: str) -> Path:

@@ -296,11 +296,6 @@ def work_dir_for(ctx: Any) -> Path:
     return VolumeLayout.from_settings(ctx.session.settings).outputs(ctx.session.lab.project) / "trials" / ident.run.key
 
 
-def total_iterations(ctx: Any) -> int:
-    """The trial's length in iterations: ``data.det_lab.max_length.batches`` (or the searcher's max_time)."""
-    return ctx.max_length
-
-
 def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildCommand]], **kwargs: Any) -> Outcome:
     """Open det_lab's Core API context and run a command under :class:`RlSupervisor`.
 
@@ -310,5 +305,5 @@ def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildC
     import det_lab.core
 
     with det_lab.core.init() as ctx:
-        sup = RlSupervisor(ctx, work_dir_for(ctx), make_build(ctx), total_iterations=total_iterations(ctx), **kwargs)
+        sup = RlSupervisor(ctx, work_dir_for(ctx), make_build(ctx), total_iterations=ctx.training_length.value, **kwargs)
         return sup.run()

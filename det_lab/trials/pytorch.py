@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-from pathlib import Path
 from typing import Any
 
 from determined import pytorch
@@ -27,14 +26,15 @@ from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section, period, training_length
 from det_lab.trials.session import LabSession, current_trial
 from det_lab.trials.shims import allow_harness_unpickling, harness_shims, tensorboard_available
+from det_lab.trials.surface import TrialSurface
 
 log = logging.getLogger("det_lab.trials")
 
 _current: LabSession | None = None  # the session run() started for the trial it is building
 
 
-class LabPyTorchTrial(pytorch.PyTorchTrial):
-    """A ``det.pytorch.PyTorchTrial`` with det_lab's session (see the module docstring)."""
+class LabPyTorchTrial(TrialSurface, pytorch.PyTorchTrial):
+    """A ``det.pytorch.PyTorchTrial`` with det_lab's session and :class:`TrialSurface`'s names."""
 
     def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
         global _current
@@ -48,15 +48,6 @@ class LabPyTorchTrial(pytorch.PyTorchTrial):
             atexit.register(self.session.close, "FINISHED")
         self.context = context
 
-    @property
-    def dataset_path(self) -> Path:
-        if self.session.dataset is None:
-            raise RuntimeError("this experiment config names no dataset (data.det_lab.dataset)")
-        return self.session.dataset.path
-
-    @property
-    def hparams(self) -> dict[str, Any]:
-        return self.session.identity.hparams
 
 
 def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None,

@@ -34,8 +34,9 @@ from det_lab.data import pull as pull_dataset
 from det_lab.data.git import describe_commit
 from det_lab.settings import LabSettings
 from det_lab.tracking import DeliverySummary, Mirror, RunInfo, open_mirror
+from det_lab.tracking.null_mirror import NullMirror
 from det_lab.tracking.events import flatten, numeric
-from det_lab.trials.expconf import LabTrialConfig, lab_section
+from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 log = logging.getLogger("det_lab.trials")
@@ -111,7 +112,7 @@ class LabSession:
         self.lab = lab or lab_section(identity.exp_conf)
         self.core = core_context
         self.dataset: PulledDataset | None = None
-        self.mirror: Mirror | None = None
+        self.mirror: Mirror | NullMirror = NullMirror(identity.run)
         self.checkpoints: list[str] = []
         self.lineage: dict[str, Any] = {}
         self.preempted = False
@@ -168,6 +169,10 @@ class LabSession:
         return {k: v for k, v in lineage.items() if v is not None}
 
     @property
+    def training_length(self) -> Length:
+        return training_length(self.identity.exp_conf, self.lab)
+
+    @property
     def outputs_dir(self) -> Path:
         """Where this trial writes anything besides checkpoints (renders, exported policies)."""
         if self.identity.run_dir is not None:
@@ -205,8 +210,7 @@ class LabSession:
             if answer and not self.preempted:
                 self.preempted = True
                 log.warning("det_lab: preemption requested: checkpointing and stopping")
-                if self.mirror:
-                    self.mirror.flush(timeout=5)
+                self.mirror.flush(timeout=5)
             return answer
 
         train._report_trial_metrics = _report_trial_metrics
@@ -215,8 +219,7 @@ class LabSession:
         preempt.should_preempt = _should_preempt
 
     def _on_metrics(self, group: str, step: int, metrics: dict[str, Any]) -> None:
-        if self.mirror:
-            self.mirror.log_metrics(group, step, metrics)
+        self.mirror.log_metrics(group, step, metrics)
         if self.identity.run_dir is not None and self.is_chief:
             line = {"group": group, "step": int(step), "metrics": numeric(metrics)}
             with open(self.identity.run_dir / "metrics.jsonl", "a") as f:
@@ -225,9 +228,8 @@ class LabSession:
     def _on_checkpoint(self, storage_id: str, metadata: dict[str, Any]) -> None:
         self.checkpoints.append(storage_id)
         step = int(metadata.get("steps_completed", 0))
-        if self.mirror:
-            self.mirror.log_checkpoint(storage_id, step, {"dataset.md5": self.lineage.get("dataset", {}).get("md5", "")})
-            self.mirror.flush(timeout=2)
+        self.mirror.log_checkpoint(storage_id, step, {"dataset.md5": self.lineage.get("dataset", {}).get("md5", "")})
+        self.mirror.flush(timeout=2)
         if self.identity.run_dir is not None and self.is_chief:
             state_file = self.identity.run_dir / "run.json"
             state = json.loads(state_file.read_text())
@@ -243,9 +245,9 @@ class LabSession:
     def close(self, status: str) -> DeliverySummary | None:
         if status == "FINISHED" and self.preempted:
             status = "KILLED"
-        if self.mirror is None:
-            return None
         summary = self.mirror.close(status)  # type: ignore[arg-type]
+        if summary is None:  # a rank that does not mirror
+            return None
         if self.identity.run_dir is not None:
             atomic_write_text(self.identity.run_dir / "tracking-summary.json",
                               json.dumps({**asdict(summary), "journal": str(summary.journal),

@@ -72,8 +72,8 @@ def main() -> None:
 
 def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     hp = ctx.hparams
-    total = ctx.max_length
-    report_every = ctx.session.lab.reporting_batches or 50
+    total = ctx.training_length.value
+    report_every = ctx.lab.reporting_batches or 50
     seed = int(hp.get("seed", 0))
     backend = hp.get("backend", "torch")
     device = torch.device("cuda" if backend != "torch" and torch.cuda.is_available() else "cpu")
@@ -140,8 +140,7 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
                     scores["lpips"].append(lpips(img, views.images[i]))
                 file = out_dir / f"step_{step:08d}" / f"{views.names[i]}.png"
                 save_render(file, img, views.images[i])
-                if ctx.session.mirror is not None:
-                    ctx.session.mirror.log_artifact(file, f"renders/{views.names[i]}", step, media="image")
+                ctx.mirror.log_artifact(file, f"renders/{views.names[i]}", step, media="image")
         metrics = {k: float(np.mean(v)) for k, v in scores.items() if v}
         metrics.update(num_gaussians=len(model), batches=step)  # batches: ASHA's time_metric
         ctx.train.report_validation_metrics(step, metrics)

@@ -23,7 +23,6 @@ import torch
 from determined import pytorch
 
 from dataset import load_splits
-from det_lab.trials.expconf import training_length
 from det_lab.trials.pytorch import LabPyTorchTrial, run
 from model import VLAConfig, VLAPolicy
 
@@ -72,12 +71,12 @@ class VLATrial(LabPyTorchTrial):
         self.description = {
             "policy": self.cfg.to_dict(), "cameras": full.cameras, "fps": full.fps,
             "train_episodes": self.splits.train_episodes, "val_episodes": self.splits.val_episodes,
-            "dataset": self.session.lineage.get("dataset"),
+            "dataset": self.lineage.get("dataset"),
         }
 
     def _total_batches(self) -> int:
         """The run's length in batches (for the LR schedule), from max_length or ASHA's max_time."""
-        length = training_length(self.context.get_experiment_config(), self.session.lab)
+        length = self.training_length
         if length.batches:
             return length.batches
         per_epoch = len(self.splits.train) // self.context.get_global_batch_size()
