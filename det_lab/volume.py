@@ -126,6 +126,20 @@ def init_volume(settings: LabSettings) -> InitReport:
     return report
 
 
+def share_with_group() -> int:
+    """Make everything this process (and its children) creates from now on group-writable.
+
+    Clears the group bits of the umask and keeps the rest: with the usual 022, directories come
+    out 0775 and files 0664, so another member of the volume's group can resume, clean up or
+    delete what this user wrote. Directories get setgid (and the group) from their parents, which
+    ``init_volume`` makes setgid. Files created with an explicit private mode (secrets: 0600)
+    stay private. Returns the previous umask.
+    """
+    old = os.umask(0o022)
+    os.umask(old & ~0o070)
+    return old
+
+
 def is_initialised(layout: VolumeLayout) -> bool:
     return layout.marker.is_file()
 

@@ -11,6 +11,7 @@ from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cm
 from det_lab.cli import cluster_cmds
 from det_lab.cli import templates_cmds
 from det_lab.cli.common import State
+from det_lab.volume import share_with_group
 
 app = typer.Typer(
     name="det-lab",
@@ -50,4 +51,5 @@ app.add_typer(templates_cmds.app, name="templates")
 
 
 def main() -> None:
+    share_with_group()  # what det-lab and its trials write on the volume stays the group's
     app()

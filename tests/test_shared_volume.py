@@ -1,0 +1,192 @@
+"""A volume shared by two real Unix users of one group, each with the usual umask 022 and a
+personal primary group: what one writes through det-lab (the layout, a local run's directory,
+its checkpoints, outputs and tracking journal, dataset pulls and their locks) the other can
+resume, clean up and delete."""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+import shutil
+import stat
+import subprocess
+import tempfile
+import textwrap
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import sys
+import sysconfig
+import yaml
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("useradd"),
+    reason="needs root and useradd to make two real Unix users in one group",
+)
+
+TRIAL = """\
+import json, os, pathlib
+import det_lab.core
+
+with det_lab.core.init() as ctx:
+    start = 0
+    if ctx.latest_checkpoint:
+        with ctx.checkpoint.restore_path(ctx.latest_checkpoint) as path:
+            start = json.loads((pathlib.Path(path) / "state.json").read_text())["step"]
+    stop_at = int(os.environ.get("STOP_AT", "0")) or None
+    for step in range(start + 1, 41):
+        if step % 5 == 0:
+            ctx.train.report_training_metrics(step, {"loss": 1.0 / step})
+        if step % 10 == 0:
+            ctx.train.report_validation_metrics(step, {"val_loss": 1.0 / step})
+            with ctx.checkpoint.store_path({"steps_completed": step}) as (path, _):
+                (path / "state.json").write_text(json.dumps({"step": step}))
+            (ctx.outputs_dir / f"render-{step}.txt").write_text("a render")
+        if step == stop_at:
+            break
+"""
+
+CONFIG = {
+    "name": "shared", "entrypoint": "python3 train.py",
+    "searcher": {"name": "single", "metric": "val_loss", "smaller_is_better": True},
+    "hyperparameters": {}, "max_restarts": 0,
+    "data": {"det_lab": {"project": "vla", "max_length": {"batches": 40}, "tracking": "none"}},
+}
+
+
+@dataclass
+class User:
+    name: str
+    uid: int
+    gid: int  # personal primary group
+    home: Path
+
+
+@dataclass
+class Team:
+    base: Path
+    group: str
+    gid: int
+    a: User
+    b: User
+    bin: Path  # a venv's bin/ the users can run
+
+    @property
+    def data(self) -> Path:
+        return self.base / "data"
+
+    def det_lab(self, user: User, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``det-lab ARGS`` as ``user`` with umask 022, as a shell login would run it."""
+        run_env = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": str(user.home), "USER": user.name,
+                   "LOGNAME": user.name, "DET_LAB_CONFIG": str(self.base / "lab.yaml"), "COLUMNS": "200",
+                   **(env or {})}
+        return subprocess.run([str(self.bin / "det-lab"), *args], user=user.uid, group=user.gid,
+                              extra_groups=[self.gid], umask=0o022, env=run_env, cwd=user.home,
+                              capture_output=True, text=True, timeout=300)
+
+
+def _add_user(name: str, group: str, base: Path) -> User:
+    subprocess.run(["useradd", "--no-create-home", "--user-group", "--groups", group, "--shell", "/bin/sh", name],
+                   check=True, capture_output=True)
+    pw = pwd.getpwnam(name)
+    home = base / f"home-{name}"
+    home.mkdir(mode=0o700)
+    os.chown(home, pw.pw_uid, pw.pw_gid)
+    return User(name, pw.pw_uid, pw.pw_gid, home)
+
+
+def _venv_for(user: User, base: Path) -> Path:
+    """A venv the users can run: the test venv's packages on an interpreter they can reach (the
+    test interpreter may lie under a directory only root enters, like /root/.pyenv)."""
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for python in (os.path.realpath(sys.executable), f"/usr/bin/{minor}", f"/usr/local/bin/{minor}"):
+        try:
+            if subprocess.run([python, "-c", "pass"], user=user.uid, capture_output=True).returncode == 0:
+                break
+        except OSError:  # missing, or in a directory the user cannot enter
+            continue
+    else:
+        pytest.skip(f"no {minor} interpreter that an unprivileged user may run")
+    venv = base / "venv"
+    subprocess.run([python, "-m", "venv", "--without-pip", str(venv)], check=True)
+    purelib = subprocess.run([venv / "bin/python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    (Path(purelib) / "test_venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    script = venv / "bin/det-lab"
+    script.write_text(f"#!{venv}/bin/python\nfrom det_lab.cli.app import main\nmain()\n")
+    script.chmod(0o755)
+    return venv / "bin"
+
+
+@pytest.fixture
+def team():
+    tag = uuid.uuid4().hex[:6]
+    group, names = f"dlteam{tag}", (f"dla{tag}", f"dlb{tag}")
+    base = Path(tempfile.mkdtemp(prefix="det-lab-shared-"))
+    base.chmod(0o755)
+    subprocess.run(["groupadd", group], check=True, capture_output=True)
+    users: list[User] = []
+    try:
+        users = [_add_user(n, group, base) for n in names]
+        gid = grp.getgrnam(group).gr_gid
+        # what an admin prepares: the mount point, owned by the team's group
+        (base / "data").mkdir()
+        os.chown(base / "data", 0, gid)
+        (base / "data").chmod(0o2775)
+        (base / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(base / "data"), "group": group}))
+        trial = base / "trial"
+        trial.mkdir()
+        (trial / "train.py").write_text(TRIAL)
+        (trial / "const.yaml").write_text(yaml.safe_dump(CONFIG))
+        trial.chmod(0o755)
+        yield Team(base, group, gid, *users, bin=_venv_for(users[0], base))
+    finally:
+        for u in users:
+            subprocess.run(["userdel", u.name], capture_output=True)
+        subprocess.run(["groupdel", group], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _not_shared(root: Path, team: Team) -> list[str]:
+    """Everything under ``root`` another member of the team could not modify or delete."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for p in [Path(dirpath)] + [Path(dirpath) / f for f in filenames]:
+            st = p.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            wanted = (0o2070 if is_dir else 0o060)
+            if mode & wanted != wanted or st.st_gid != team.gid:
+                bad.append(f"{p.relative_to(team.data)} {mode:o} group {st.st_gid}")
+    return bad
+
+
+def test_one_member_resumes_and_deletes_what_another_wrote(team):
+    init = team.det_lab(team.a, "init")
+    assert init.returncode == 0, init.stderr
+    first = team.det_lab(team.a, "run", str(team.base / "trial"), "--local", env={"STOP_AT": "20"})
+    assert first.returncode == 0, first.stdout + first.stderr
+    (run_dir,) = [p for p in (team.data / "outputs/vla/local-runs").iterdir() if not p.name.startswith(".")]
+    ckpts = team.data / "checkpoints/vla"
+    assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid}
+    # everything a's run wrote on the volume is the team's to change
+    written = [run_dir, ckpts, team.data / "outputs/vla"]
+    assert [bad for d in written for bad in _not_shared(d, team)] == []
+
+    resumed = team.det_lab(team.b, "run", str(team.base / "trial"), "--local", "--resume", "--run", run_dir.name)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    state = yaml.safe_load((run_dir / "run.json").read_text())
+    assert state["status"] == "finished" and state["latest_checkpoint_step"] == 40
+    assert len(state["checkpoints"]) == 4
+    assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid, team.b.uid}
+
+    # b cleans up a's run: the run directory and every checkpoint, a's and b's own
+    rm = subprocess.run(["rm", "-rf", str(run_dir), *map(str, ckpts.iterdir())], user=team.b.uid,
+                        group=team.b.gid, extra_groups=[team.gid], capture_output=True, text=True)
+    assert rm.returncode == 0, rm.stderr
+    assert not run_dir.exists() and list(ckpts.iterdir()) == []
