@@ -257,4 +257,27 @@ def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_
         assert check.returncode == 0, check.stdout + check.stderr
     # without a master or an admin password, --apply fails in one line
     proc = lab.cli("cluster", "template", "--apply")
-    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("warning: ")]
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+
+
+@pytest.mark.parametrize("tracking, warned", [
+    ({}, ["tracking.mlflow_uri is not set"]),  # the default backend, mlflow, with no server
+    ({"backend": "mlflow", "mlflow_uri": "sqlite:////mnt/data/mlflow.db"}, ["tracking.mlflow_uri is sqlite:"]),
+    ({"backend": "both", "mlflow_uri": "http://gpu-a.lab:5000", "aim_repo": "/mnt/data/aim"},
+     ["tracking.aim_repo is /mnt/data/aim"]),
+    ({"backend": "mlflow", "mlflow_uri": "http://gpu-a.lab:5000"}, []),
+    ({"backend": "none"}, []),
+])
+def test_tracking_the_tasks_cannot_reach_is_warned_with_the_fix(lab, tracking, warned):
+    lab.write_config(tracking=tracking)
+    for cmd in (("cluster", "config"), ("cluster", "template")):
+        proc = lab.cli(*cmd)
+        assert proc.returncode == 0, proc.stderr
+        warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
+        assert len(warnings) == len(warned), proc.stderr
+        for line, expected in zip(warnings, warned):
+            assert expected in line and str(lab.config) in line and "tracking.backend: none" in line
+    env = rendered(lab)["master.yaml"]["task_container_defaults"]["environment_variables"]
+    uri = tracking.get("mlflow_uri", "")
+    assert (f"MLFLOW_TRACKING_URI={uri}" in env) == uri.startswith("http")

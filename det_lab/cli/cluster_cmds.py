@@ -17,7 +17,7 @@ import yaml
 
 from det_lab.cli.common import console, err_console, fail, state
 from det_lab.cluster import deploy, plan
-from det_lab.cluster.config import render_agent, render_master, render_task_template
+from det_lab.cluster.config import render_agent, render_master, render_task_template, tracking_problems
 from det_lab.cluster.schema import agent_errors, master_errors
 from det_lab.cluster.secrets import (
     ADMIN_PASSWORD_FILE,
@@ -90,6 +90,11 @@ def _one_line_errors(errors: list[str], what: str) -> None:
         fail(errors[0] if len(errors) == 1 else f"{errors[0]} ({len(errors)} {what} problems)")
 
 
+def _warn_tracking(lab: LabSettings) -> None:
+    for problem in tracking_problems(lab):
+        err_console.print(f"[bold yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
+
+
 def _deploying(action: Callable[[], T]) -> T:
     """Run a deploy step; every failure becomes the failing doctor lines plus one error line."""
     try:
@@ -121,6 +126,7 @@ def config(
             fail(str(exc))
         errors += [f"agent-{agent_id}.yaml: {e}" for e in agent_errors(agents[agent_id], master)]
     _one_line_errors(errors, "config")
+    _warn_tracking(lab)
     if cluster.default_task is None and not cluster.users:
         err_console.print("note: tasks of users not linked to a Unix identity run as root, which a root_squash "
                           "NFS export refuses; run 'det-lab cluster link-users' or set default_task",
@@ -175,6 +181,7 @@ def up(
     lab, cluster = _load(ctx)
     private = private_dir()
     _one_line_errors(deploy.config_errors(lab, cluster, [agent_id]), "config")
+    _warn_tracking(lab)
     if dry_run:
         _print_plan(plan.up_plan(lab, cluster, private, agent_id, password_file), as_json)
         return
@@ -304,6 +311,7 @@ def template(
     Web UI) then see the NFS volume at its host paths.
     """
     lab, cluster = _load(ctx)
+    _warn_tracking(lab)
     text = yaml.safe_dump(render_task_template(lab, cluster), sort_keys=False)
     if out is not None:
         out.write_text(text)

@@ -70,16 +70,42 @@ def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, An
     return mounts
 
 
+#: tracking stores a task container reaches over the network (a path would be the container's own)
+REMOTE_MLFLOW_SCHEMES = ("http://", "https://", "postgresql://", "postgresql+", "mysql://", "mysql+")
+
+
 def environment_variables(lab: LabSettings) -> list[str]:
     """Variables every task gets, so det_lab inside a container finds the same volume and tracking."""
     env = [f"{ENV_DATA_ROOT}={lab.data_root}"]
     t = lab.tracking
     env.append(f"DET_LAB_TRACKING={t.backend}")
-    if t.mlflow_uri and t.mlflow_uri.startswith(("http://", "https://")):
+    if t.mlflow_uri and t.mlflow_uri.startswith(REMOTE_MLFLOW_SCHEMES):
         env.append(f"MLFLOW_TRACKING_URI={t.mlflow_uri}")
     if t.aim_repo and t.aim_repo.startswith("aim://"):
         env.append(f"DET_LAB_AIM_REPO={t.aim_repo}")
     return env
+
+
+def tracking_problems(lab: LabSettings) -> list[str]:
+    """Why cluster tasks would lose their tracking record: a store they cannot reach.
+
+    Without a server URI each task writes a store inside its own container (MLflow: a SQLite file;
+    Aim: a local repo), which is deleted with the container.
+    """
+    t, where = lab.tracking, lab.source or "the lab config"
+    problems = []
+    if t.uses_mlflow and not (t.mlflow_uri or "").startswith(REMOTE_MLFLOW_SCHEMES):
+        problems.append(
+            f"tracking.backend is {t.backend} but tracking.mlflow_uri is {t.mlflow_uri or 'not set'}: cluster "
+            f"tasks would write MLflow runs to a file inside their container and lose them; set tracking.mlflow_uri "
+            f"in {where} to a server the tasks reach (http://<host>:5000, e.g. 'mlflow server' on the master "
+            f"machine) or tracking.backend: none")
+    if t.backend in ("aim", "both") and not (t.aim_repo or "").startswith("aim://"):
+        problems.append(
+            f"tracking.backend is {t.backend} but tracking.aim_repo is {t.aim_repo or 'not set'}: cluster tasks "
+            f"would write Aim runs inside their container and lose them; set tracking.aim_repo in {where} to "
+            f"aim://<host>:53800 (an 'aim server') or tracking.backend: none")
+    return problems
 
 
 def _pool(pool: PoolSettings) -> dict[str, Any]:
