@@ -26,6 +26,7 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from det_lab.settings import LabSettings
 
@@ -58,6 +59,20 @@ class VolumeLayout:
 
     def project_checkpoints(self, project: str) -> Path:
         return self.checkpoints / project
+
+    def experiment_checkpoints(self, project: str, exp_conf: dict[str, Any] | None = None) -> Path:
+        """Where an experiment's checkpoints go, in local runs as on the cluster.
+
+        On the cluster that is the master's ``shared_fs`` ``host_path`` (the data root) joined with
+        the experiment's ``checkpoint_storage.storage_path``; the templates set it to
+        ``checkpoints/<project>``, which is also the default here.
+        """
+        storage = (exp_conf or {}).get("checkpoint_storage") or {}
+        sub = storage.get("storage_path") if storage.get("type", "shared_fs") == "shared_fs" else None
+        if not sub:
+            return self.project_checkpoints(project)
+        path = Path(sub)
+        return path if path.is_absolute() else self.root / path
 
     def outputs(self, project: str) -> Path:
         return self.root / "outputs" / project
