@@ -2,8 +2,9 @@
 
 What the master config carries, and why (facts: ``shared/notes/determined.md`` §1-2):
 
-- ``checkpoint_storage``: ``shared_fs`` on the data root, ``storage_path: checkpoints``, so
-  checkpoints land in ``<data_root>/checkpoints/<uuid>`` on every machine.
+- ``checkpoint_storage``: ``shared_fs`` on the data root, ``storage_path: checkpoints``; the
+  templates' experiment configs narrow ``storage_path`` to ``checkpoints/<project>`` (merged over
+  this, keeping ``host_path``), where local runs write too.
 - ``task_container_defaults.bind_mounts``: the dataset tree (``datasets``, ``snapshots``,
   ``dvc-cache``) read-only and ``outputs`` read-write, at the same paths as on the host, with
   ``propagation: rslave`` so an NFS/autofs mount made after the container started still shows up.
