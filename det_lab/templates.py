@@ -9,9 +9,11 @@ carries the same files as package data under ``det_lab/_templates/`` and ``det_l
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,6 +131,39 @@ def copy(name: str, dest: Path) -> Path:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return dest
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """An optional package a template needs with some hyperparameters, and how to install it."""
+
+    module: str
+    install: str
+    needed: Callable[[dict[str, Any]], bool]
+
+
+def _runs_standin(hparams: dict[str, Any]) -> bool:
+    from det_lab.rl.commands import isaaclab_root
+
+    return not hparams.get("require_isaaclab") and isaaclab_root(hparams.get("isaaclab_path")) is None
+
+
+RSL_RL_INSTALL = "pip install 'tensordict>=0.15,<0.16' && pip install --no-deps 'rsl-rl-lib>=5.5,<6'"
+#: by template directory: what its trials import only in some configurations
+REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {
+    "isaac_lab": (Requirement("rsl_rl", RSL_RL_INSTALL, _runs_standin),),
+    "gaussian_splatting": (Requirement("gsplat", "pip install gsplat (CUDA; see the template's README)",
+                                       lambda hp: hp.get("backend") == "gsplat"),),
+}
+
+
+def missing_requirements(template: Path, hparams: dict[str, Any]) -> list[str]:
+    """One line per optional package the run needs and this interpreter lacks, with its install
+    command; checked before a run starts, so it does not fail after minutes of setup."""
+    name = name_of(template)
+    return [f"template {name} needs {r.module} with these hyperparameters; install it: {r.install}"
+            for r in REQUIREMENTS.get(template.name, ())
+            if r.needed(hparams) and importlib.util.find_spec(r.module) is None]
 
 
 def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, Any]:
