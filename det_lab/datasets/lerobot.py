@@ -18,7 +18,13 @@ item: files at ``info["image_path"]``, bytes embedded in the parquet frames, or 
 from ``info["video_path"]`` videos when torchcodec, PyAV or torchvision is installed.
 
 Every problem with the dataset is a :class:`LeRobotDatasetError` (a ``ValueError``) whose
-message is one line naming the file and what is wrong with it.
+message is one line naming the file and what is wrong with it: at load time for the metadata
+and tables, when an item is read for a corrupt image or video (naming the episode and frame).
+
+Strings may be stored as any Arrow string type (``string``, ``large_string`` as pandas 3
+writes them, ``string_view``, dictionary-encoded). Normalisation statistics come from
+``meta/stats.json`` or, where it is absent, are aggregated from the per-episode statistics
+(``meta/episodes_stats.jsonl`` in v2.1, the ``stats/...`` columns in v3.0) as LeRobot does.
 """
 
 from __future__ import annotations
@@ -124,12 +130,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
         for key in self.cameras:
             if key not in all_cameras:
                 raise _error(self.root / "meta/info.json", f"no image or video feature {key!r} (has {all_cameras})")
-        stats_file = self.root / "meta" / "stats.json"
-        self.stats: dict[str, Any] = _read_json(stats_file) if stats_file.exists() else {}
-
         v3 = self.version == "v3.0"
         self.tasks: dict[int, str] = _read_tasks_v3(self.root) if v3 else _read_tasks_v2(self.root)
         meta = _read_episodes_v3(self.root) if v3 else _read_episodes_v2(self.root)
+        self.stats: dict[str, Any] = _read_stats(self.root, meta)
         embedded = [k for k in self.cameras if self._camera_source(k) == "embedded"]
         files = _data_files_v3(self.root, self.info, meta) if v3 else _data_files_v2(self.root, self.info, meta)
         frames = _read_frames(files, embedded)
@@ -179,9 +183,12 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return view
 
     def norm_stats(self, key: str) -> dict[str, np.ndarray]:
-        """``mean``/``std``/``min``/``max`` of a feature from ``meta/stats.json`` (float32 arrays)."""
+        """``mean``/``std``/``min``/``max`` of a feature (float32 arrays), from ``meta/stats.json``
+        or aggregated from the per-episode statistics where that file is absent."""
         if key not in self.stats:
-            raise _error(self.root / "meta/stats.json", f"no statistics for {key!r}")
+            source = "meta/stats.json" if (self.root / "meta/stats.json").is_file() else \
+                ("meta/episodes" if self.version == "v3.0" else "meta/episodes_stats.jsonl")
+            raise _error(self.root / source, f"no statistics for {key!r}")
         return {k: np.asarray(v, dtype=np.float32) for k, v in self.stats[key].items()
                 if k in ("mean", "std", "min", "max")}
 
@@ -219,6 +226,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self._embedded = {k: frames[k] for k in embedded}
 
         self.episodes: dict[int, Episode] = {}
+        self._data_files: dict[int, Path] = {}
         self._episode_end = np.zeros(len(self.state), dtype=np.int64)
         for ep in meta:
             idx = int(ep["episode_index"])
@@ -231,6 +239,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 raise _error(where, f"episode {idx}: frame_index is not 0..{stop - start - 1}")
             self.episodes[idx] = Episode(idx, stop - start, tuple(ep.get("tasks") or ()), start,
                                          self._video_files(ep))
+            self._data_files[idx] = where
             self._episode_end[start:stop] = stop
         listed = set(self.episodes)
         extra = sorted(set(np.unique(self.episode_index).tolist()) - listed)
@@ -286,29 +295,45 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
     def _image(self, key: str, row: int) -> np.ndarray:
         source = self._camera_source(key)
+        episode, frame = int(self.episode_index[row]), int(self.frame_index[row])
+        where = f"{key!r} of episode {episode}, frame {frame}"
         if source == "file":
             path = self._image_file(key, row)
-            try:
-                with Image.open(path) as im:
-                    pixels = np.asarray(im.convert("RGB"))
-            except FileNotFoundError:
-                raise _error(path, f"missing image of {key!r} (episode {self.episode_index[row]}, "
-                                   f"frame {self.frame_index[row]})") from None
-            except OSError as exc:
-                raise _error(path, f"unreadable image: {exc}") from None
+            if not path.is_file():
+                raise _error(path, f"missing image of {where}")
+            pixels = _decode_image(path, path, where)
         elif source == "embedded":
             cell = self._embedded[key][row]
             blob = cell.get("bytes") if isinstance(cell, dict) else cell
+            data_file = self._data_files[episode]
             if not blob:
-                raise _error(self.root / "data", f"{key!r} of episode {self.episode_index[row]}, "
-                                                 f"frame {self.frame_index[row]} has no image bytes")
-            with Image.open(io.BytesIO(blob)) as im:
-                pixels = np.asarray(im.convert("RGB"))
+                raise _error(data_file, f"{where} has no image bytes")
+            pixels = _decode_image(io.BytesIO(blob), data_file, where)
         else:
-            ep = self.episodes[int(self.episode_index[row])]
-            path, offset = ep.video[key]
-            pixels = self._decode(path, offset + float(self.timestamp[row]))
+            path, offset = self.episodes[episode].video[key]
+            ts = offset + float(self.timestamp[row])
+            try:
+                pixels = self._decode(path, ts)
+            except LeRobotDatasetError as exc:
+                raise _error(path, f"{where}: {str(exc).removeprefix(f'{path}: ')}") from None
+            except Exception as exc:  # noqa: BLE001 (decoders raise anything for a broken file)
+                raise _error(path, f"cannot decode {where} at {ts:.3f} s (truncated or not a video?): "
+                                   f"{_first_line(exc)}") from None
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32) / 255.0
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _decode_image(source: Path | io.BytesIO, where_file: Path, what: str) -> np.ndarray:
+    """HWC uint8 pixels of an image file or bytes; a damaged image is one error naming the file."""
+    try:
+        with Image.open(source) as im:
+            return np.asarray(im.convert("RGB"))
+    except (OSError, SyntaxError, ValueError) as exc:  # PIL raises SyntaxError for some broken PNGs
+        raise _error(where_file, f"corrupt image for {what}: {_first_line(exc)}") from None
 
 
 # --- metadata ----------------------------------------------------------------------------------
@@ -368,13 +393,21 @@ def _read_info(root: Path) -> dict[str, Any]:
     return info
 
 
+def _is_string(dtype: pa.DataType) -> bool:
+    """Any Arrow string type: string, large_string (pandas 3), string_view, or dictionary of those."""
+    if pa.types.is_dictionary(dtype):
+        dtype = dtype.value_type
+    is_view = getattr(pa.types, "is_string_view", None)  # pyarrow >= 16
+    return pa.types.is_string(dtype) or pa.types.is_large_string(dtype) or bool(is_view and is_view(dtype))
+
+
 def _read_tasks_v3(root: Path) -> dict[int, str]:
     path = root / "meta" / "tasks.parquet"
     table = _read_parquet(path)
     if "task_index" not in table.column_names:
         raise _error(path, "no column 'task_index'")
     # lerobot writes the task string as the (pandas) index; our demo writes a 'task' column
-    names = [c for c in table.column_names if c != "task_index" and pa.types.is_string(table.schema.field(c).type)]
+    names = [c for c in table.column_names if c != "task_index" and _is_string(table.schema.field(c).type)]
     if not names:
         raise _error(path, "no task string column")
     key = "task" if "task" in names else names[0]
@@ -390,6 +423,57 @@ def _read_tasks_v2(root: Path) -> dict[int, str]:
         raise _error(path, "each line needs task_index and task") from None
 
 
+def _read_stats(root: Path, meta: list[dict[str, Any]]) -> dict[str, dict[str, np.ndarray]]:
+    """``meta/stats.json``; without it, the per-episode statistics aggregated (empty if none)."""
+    path = root / "meta" / "stats.json"
+    if path.is_file():
+        stats = _read_json(path)
+        if not isinstance(stats, dict):
+            raise _error(path, "must be a JSON object of features")
+        return stats
+    per_episode: list[dict[str, dict[str, Any]]] = []
+    v2_file = root / "meta" / "episodes_stats.jsonl"
+    if v2_file.is_file():
+        for n, row in enumerate(_read_jsonl(v2_file), 1):
+            if not isinstance(row.get("stats"), dict):
+                raise _error(v2_file, f"line {n}: needs a 'stats' object")
+            per_episode.append(row["stats"])
+    else:  # v3.0: columns stats/<feature>/<statistic> of meta/episodes
+        for ep in meta:
+            stats: dict[str, dict[str, Any]] = {}
+            for col, value in ep.items():
+                if col.startswith("stats/") and value is not None:
+                    feature, _, stat = col.removeprefix("stats/").rpartition("/")
+                    stats.setdefault(feature, {})[stat] = value
+            if stats:
+                per_episode.append(stats)
+    try:
+        return _aggregate_stats(per_episode)
+    except (KeyError, ValueError, TypeError) as exc:
+        where = v2_file if v2_file.is_file() else root / "meta" / "episodes"
+        raise _error(where, f"per-episode statistics do not aggregate: {_first_line(exc)}") from None
+
+
+def _aggregate_stats(per_episode: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, np.ndarray]]:
+    """LeRobot's ``aggregate_stats``: min of mins, max of maxes, count-weighted mean, pooled std."""
+    out = {}
+    for key in sorted({k for stats in per_episode for k in stats}):
+        parts = [{s: np.asarray(v, dtype=np.float64) for s, v in stats[key].items()}
+                 for stats in per_episode if key in stats]
+        means = np.stack([p["mean"] for p in parts])
+        variances = np.stack([p["std"] ** 2 for p in parts])
+        counts = np.stack([p["count"] for p in parts])
+        total = counts.sum(axis=0)
+        while counts.ndim < means.ndim:
+            counts = counts[..., None]
+        mean = (means * counts).sum(axis=0) / total
+        variance = ((variances + (means - mean) ** 2) * counts).sum(axis=0) / total
+        out[key] = {"min": np.min(np.stack([p["min"] for p in parts]), axis=0),
+                    "max": np.max(np.stack([p["max"] for p in parts]), axis=0),
+                    "mean": mean, "std": np.sqrt(variance), "count": total}
+    return out
+
+
 def _read_episodes_v3(root: Path) -> list[dict[str, Any]]:
     files = sorted((root / "meta" / "episodes").glob("chunk-*/file-*.parquet"))
     if not files:
@@ -401,7 +485,7 @@ def _read_episodes_v3(root: Path) -> list[dict[str, Any]]:
             if col not in table.column_names:
                 raise _error(path, f"no column {col!r}")
         wanted = [c for c in table.column_names if c in ("episode_index", "length", "tasks")
-                  or c.startswith(("data/", "videos/"))]
+                  or c.startswith(("data/", "videos/", "stats/"))]
         for row in table.select(wanted).to_pylist():
             out.append({**row, "_file": path})
     return sorted(out, key=lambda e: e["episode_index"])
@@ -503,8 +587,17 @@ def _torchcodec(path: Path) -> Any:
     return VideoDecoder(str(path))
 
 
+def _past_end(path: Path, ts: float, end: float | None) -> LeRobotDatasetError:
+    ends = f"the video ends at {end:.3f} s" if end is not None else "the video has no frames"
+    return _error(path, f"no frame at {ts:.3f} s: {ends}, shorter than the dataset's metadata says")
+
+
 def _decode_torchcodec(path: Path, ts: float) -> np.ndarray:
-    frames = _torchcodec(path).get_frames_played_at(seconds=[ts])
+    decoder = _torchcodec(path)
+    end = decoder.metadata.end_stream_seconds
+    if end is not None and ts >= end:
+        raise _past_end(path, ts, end)
+    frames = decoder.get_frames_played_at(seconds=[ts])
     return frames.data[0].permute(1, 2, 0).numpy()
 
 
@@ -513,15 +606,14 @@ def _decode_pyav(path: Path, ts: float) -> np.ndarray:
 
     with av.open(str(path)) as container:
         stream = container.streams.video[0]
+        half_frame = 0.5 / max(float(stream.average_rate or 30), 1.0)
         container.seek(max(0, int(ts / stream.time_base)), stream=stream, backward=True)
-        best = None
+        last = None
         for frame in container.decode(stream):
-            best = frame
-            if frame.time is not None and frame.time >= ts - 0.5 / max(float(stream.average_rate or 30), 1.0):
-                break
-        if best is None:
-            raise _error(path, f"no frame at {ts:.3f} s")
-        return best.to_ndarray(format="rgb24")
+            if frame.time is not None and frame.time >= ts - half_frame:
+                return frame.to_ndarray(format="rgb24")
+            last = frame.time
+        raise _past_end(path, ts, None if last is None else last + 2 * half_frame)
 
 
 def _decode_torchvision(path: Path, ts: float) -> np.ndarray:
