@@ -20,7 +20,7 @@ from typing import Literal
 
 from det_lab.compat import DETERMINED_VERSION, import_deploy
 from det_lab.settings import LabSettings
-from det_lab.volume import VolumeLayout, human_bytes, is_initialised, project_usage
+from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, human_bytes, is_initialised, project_usage
 
 Status = Literal["pass", "warn", "fail"]
 NETWORK_FS = {"nfs", "nfs4"}
@@ -120,8 +120,21 @@ def _volume_checks(settings: LabSettings, mounts_file: Path) -> Iterator[Check]:
                     "run 'det-lab init' (safe on a populated volume)")
     else:
         yield Check("layout", "pass", "datasets/, dvc-cache/, snapshots/, checkpoints/, outputs/ present")
+    yield _group_sharing([d for d in layout.directories(sorted(settings.projects)) if d.is_dir()])
     yield _free_space(root)
     yield from _quota_checks(settings, layout)
+
+
+def _group_sharing(dirs: list[Path]) -> Check:
+    """The volume's directories must be setgid and group-writable, or what one member writes
+    (checkpoints, run directories) another cannot resume or delete."""
+    unshared = [d for d in dirs if d.stat().st_mode & SHARED_DIR_MODE != SHARED_DIR_MODE]
+    if unshared:
+        shown = " ".join(str(d) for d in unshared[:3]) + (f" (+{len(unshared) - 3} more)" if len(unshared) > 3 else "")
+        return Check("group sharing", "warn", f"not setgid and group-writable: {shown}",
+                     f"run 'det-lab init' as their owner, or: chmod g+ws {shown.split(' (+')[0]}")
+    return Check("group sharing", "pass", f"{len(dirs)} directories setgid and group-writable; "
+                 "det-lab writes group-writable files whatever the umask")
 
 
 def _writable(root: Path) -> Check:

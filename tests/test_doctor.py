@@ -43,7 +43,8 @@ def test_healthy_root_passes(lab):
     rc, report = doctor_json(lab)
     checks = by_name(report)
     assert rc == 0 and report["ok"] is True, [c for c in report["checks"] if c["status"] == "fail"]
-    for name in ("data root", "data root writable", "layout", "free space", "quota vla", "git", "dvc", "determined"):
+    for name in ("data root", "data root writable", "layout", "group sharing", "free space", "quota vla", "git",
+                 "dvc", "determined"):
         assert checks[name]["status"] == "pass", checks[name]
     # on this machine: no Docker, no GPU -> warnings that say local mode still works
     for c in report["checks"]:
@@ -186,3 +187,15 @@ def test_master_check(lab):
     finally:
         server.shutdown()
     assert rc == 0 and by_name(report)["master"]["status"] == "pass"
+
+
+def test_directories_another_member_cannot_write_in_are_warned(lab):
+    lab.cli("init", check=True)
+    made_by_hand = lab.root / "checkpoints" / "vla"
+    made_by_hand.chmod(0o755)  # as mkdir makes it under umask 022
+    rc, report = doctor_json(lab)
+    check = by_name(report)["group sharing"]
+    assert rc == 0 and check["status"] == "warn" and str(made_by_hand) in check["detail"]
+    assert f"chmod g+ws {made_by_hand}" in check["fix"]
+    lab.cli("init", check=True)  # widens what this user owns
+    assert by_name(doctor_json(lab)[1])["group sharing"]["status"] == "pass"
