@@ -1,0 +1,86 @@
+"""Templates by name, copies to edit, and `--set KEY=VALUE` overrides of their configs."""
+
+from __future__ import annotations
+
+import filecmp
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from det_lab import templates
+from det_lab.trials.expconf import lab_section, training_length
+
+REPO = Path(__file__).resolve().parents[1]
+VALIDATOR = REPO.parent / "shared" / "tools" / "validate-expconf"
+
+
+def test_templates_are_known_by_one_set_of_names():
+    assert [t.name for t in templates.available()] == ["vla", "3dgs", "isaac"]
+    for name, directory in templates.NAMES.items():
+        assert templates.resolve(name) == templates.resolve(directory) == REPO / "experiment_templates" / directory
+        assert templates.name_of(templates.resolve(directory)) == name
+    with pytest.raises(templates.TemplateError) as err:
+        templates.resolve("gaussian")
+    assert "templates: vla, 3dgs, isaac" in str(err.value) and "det-lab templates list" in str(err.value)
+
+
+def test_copy_is_whole_and_never_overwrites(tmp_path):
+    out = templates.copy("isaac", tmp_path / "mine")
+    cmp = filecmp.dircmp(REPO / "experiment_templates/isaac_lab", out, ignore=["__pycache__"])
+    assert not (cmp.left_only or cmp.right_only or cmp.diff_files)
+    (out / "const.yaml").write_text("edited")
+    with pytest.raises(templates.TemplateError, match="already exists"):
+        templates.copy("vla", out)
+    assert (out / "const.yaml").read_text() == "edited"
+    with pytest.raises(templates.TemplateError, match="does not exist"):
+        templates.copy("vla", tmp_path / "no" / "such" / "parent")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]  # no staging left behind
+
+
+def test_set_overrides_reach_the_experiment_config():
+    conf = yaml.safe_load((REPO / "experiment_templates/vla/search.yaml").read_text())
+    templates.apply_overrides(conf, ["data.det_lab.max_length.batches=50", "searcher.max_time=50",
+                                     "hyperparameters.lr=0.01", "name=quick check", "labels=[a, b]"])
+    lab = lab_section(conf)
+    assert training_length(conf, lab).batches == 50
+    assert conf["hyperparameters"]["lr"] == 0.01 and conf["name"] == "quick check" and conf["labels"] == ["a", "b"]
+
+
+@pytest.mark.skipif(not VALIDATOR.exists(), reason="Determined's schema validator is not in ../shared/tools")
+def test_overridden_config_still_passes_determineds_schema(tmp_path):
+    conf = yaml.safe_load((REPO / "experiment_templates/vla/const.yaml").read_text())
+    templates.apply_overrides(conf, ["data.det_lab.max_length.batches=20", "min_validation_period.batches=10",
+                                     "checkpoint_storage.save_trial_latest=2"])
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    check = subprocess.run([str(VALIDATOR), str(path)], capture_output=True, text=True,
+                           env={**os.environ, "PYTHON": sys.executable})
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("lr", "expected KEY=VALUE"),
+    ("=3", "expected KEY=VALUE"),
+    ("data..det_lab=3", "expected KEY=VALUE"),
+    ("name.first=x", "name is a str, not a mapping"),
+    ("hyperparameters.lr=[0.1", "not valid YAML"),
+])
+def test_bad_set_is_one_line_naming_it(assignment, message):
+    conf = yaml.safe_load((REPO / "experiment_templates/vla/const.yaml").read_text())
+    with pytest.raises(templates.TemplateError) as err:
+        templates.apply_overrides(conf, [assignment])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_optional_requirements_are_named_with_their_install_command():
+    gsplat = {"backend": "gsplat"}
+    missing = templates.missing_requirements(templates.resolve("3dgs"), gsplat)
+    if not missing:
+        pytest.skip("gsplat is installed here")
+    (line,) = missing
+    assert line.startswith("template 3dgs needs gsplat") and "pip install gsplat" in line
+    assert templates.missing_requirements(templates.resolve("3dgs"), {"backend": "torch"}) == []
