@@ -1,0 +1,188 @@
+"""``det-lab slurm ...``: the Slurm cluster's configuration, images, searches and CI template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+from det_lab.cli.common import console, err_console, fail, state
+from det_lab.settings import LabSettings
+from det_lab.slurm.conf import render_all, setup_notes
+from det_lab.slurm.settings import SlurmConfigError, SlurmSettings, load_slurm_settings
+
+app = typer.Typer(
+    help="Slurm as the second scheduler: cluster config, Apptainer images, Optuna searches, GitLab CI.",
+    no_args_is_help=True,
+)
+
+_META_KEY = "det_lab.slurm_config"
+
+
+@app.callback()
+def _slurm(
+    ctx: typer.Context,
+    slurm_config: Path | None = typer.Option(
+        None, "--slurm-config", envvar="DET_LAB_SLURM_CONFIG",
+        help="Slurm config file (default: <data_root>/.det-lab/slurm.yaml, else built-in defaults).",
+    ),
+) -> None:
+    ctx.meta[_META_KEY] = slurm_config
+
+
+def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
+    """The lab settings and the Slurm section; a bad file is one error line."""
+    lab = state(ctx).settings
+    try:
+        return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
+    except SlurmConfigError as exc:
+        fail(str(exc))
+
+
+def _write(out: Path, files: dict[str, str]) -> None:
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (out / name).write_text(text)
+    except OSError as exc:
+        fail(f"cannot write to {out}: {exc.strerror or exc}")
+
+
+@app.command()
+def config(
+    ctx: typer.Context,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write slurm.conf, gres.conf and cgroup.conf here."),
+) -> None:
+    """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines."""
+    lab, slurm = load(ctx)
+    files = render_all(slurm, lab)
+    if out is None:
+        for name, text in files.items():
+            typer.echo(f"# --- {name} ---")
+            typer.echo(text, nl=False)
+    else:
+        _write(out, files)
+        console.print(f"wrote {', '.join(files)} to {out}", highlight=False)
+    for note in setup_notes(slurm, lab):
+        err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
+def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list[str], partition: str | None,
+              time_limit: str | None, wait: bool, seed: int | None) -> None:
+    """``det-lab run T --slurm``: the run recorded on the volume, its trial submitted as a Slurm job."""
+    from det_lab.slurm import run as slurm_run
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+    from det_lab.trials import local
+
+    settings, slurm = load(ctx)
+    try:
+        tdir = local.resolve_template(template)
+        _, conf = local.load_config(tdir, config)
+        conf = apply_sets(conf, sets)
+        where = slurm_run.place(slurm, conf, partition, time_limit)
+        run_, _, _ = prepare_run(settings, template, config, sets, seed, SlurmRunRecord)
+        job_id = slurm_run.submit_run(run_, settings, slurm, where)
+    except (local.RunError, submit.SlurmError, ValueError) as exc:
+        fail(str(exc))
+    st = run_.state()
+    gpus = f", {where.nodes} node(s) x {where.gpus_per_node} GPU(s)" if where.gpus_per_node else ""
+    console.print(f"run {st['name']}: Slurm job {job_id} (partition {where.partition}{gpus})\n"
+                  f"  hyperparameters: {json.dumps(st['hparams'])}\n  job script: {run_.job_script}\n"
+                  f"  log: {run_.log_file}\n  follow: det-lab runs tail -f {st['name']}", highlight=False)
+    if wait:
+        raise typer.Exit(wait_for(run_, job_id))
+
+
+def wait_for(run_, job_id: str) -> int:
+    """Follow the job until it has ended for good; the trial's outcome as an exit code."""
+    import sys
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from det_lab.slurm import submit
+
+    st = run_.state()
+    total = st["max_length"] if st.get("max_length_unit") == "batches" else None
+    show = sys.stderr.isatty() or sys.stdout.isatty()
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, disable=not show, transient=False) as bar:
+        task = bar.add_task(f"job {job_id}", total=total)
+
+        def changed(job: dict[str, str]) -> None:
+            where = f" on {job['NodeList']}" if job.get("NodeList") not in (None, "", "(null)") else ""
+            restarts = f" (restart {job['Restarts']})" if job.get("Restarts", "0") != "0" else ""
+            bar.console.print(f"job {job_id}: {job.get('JobState')}{where}{restarts}", highlight=False)
+
+        def tick() -> None:
+            step, _ = run_.progress()
+            bar.update(task, completed=step)
+
+        try:
+            job = submit.wait(job_id, on_change=changed, tick=tick)
+        except KeyboardInterrupt:
+            console.print(f"stopped waiting; job {job_id} goes on (cancel it with: det-lab runs cancel {st['name']})",
+                          highlight=False)
+            return 130
+        tick()
+    st = run_.state()
+    step, val = run_.progress()
+    status = st.get("status")
+    if status not in ("finished", "stopped", "failed"):
+        status = (job or {}).get("JobState", "gone").lower()  # the job ended before the trial could say
+    metrics = ", ".join(f"{k}={v:.5g}" for k, v in val.items() if k not in ("batches", "epochs"))
+    console.print(f"{st['name']}: {status} at step {step} of {st['max_length']}; latest checkpoint "
+                  f"{st.get('latest_checkpoint')}" + (f"; last validation {metrics}" if metrics else ""),
+                  highlight=False)
+    if status == "finished":
+        return 0
+    console.print(local_tail(run_), highlight=False)
+    return int(st.get("exit_code") or 0) or 1
+
+
+def local_tail(run_) -> str:
+    from det_lab.trials import local
+
+    return local.tail(run_.log_file)
+
+
+def apply_sets(conf: dict, sets: list[str]) -> dict:
+    """``--set KEY=VALUE`` overrides applied to an experiment config (ValueError: one line)."""
+    if not sets:
+        return conf
+    from det_lab.templates import TemplateError, apply_overrides
+
+    try:
+        return apply_overrides(conf, list(sets))
+    except TemplateError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def prepare_run(settings, template: str, config: Path | None, sets: list[str], seed: int | None, record_cls):
+    """``local.prepare`` for a new run of ``record_cls``, with ``--set`` overrides applied to its config.
+
+    The overridden config is kept in the run's directory (``config.yaml``), so the record names
+    the exact config the trial ran."""
+    import inspect
+    import tempfile
+
+    import yaml
+
+    from det_lab.trials import local
+
+    if "overrides" in inspect.signature(local.prepare).parameters:
+        return local.prepare(settings, template, config, False, seed, record_cls=record_cls, overrides=list(sets))
+    if not sets:
+        return local.prepare(settings, template, config, False, seed, record_cls=record_cls)
+    tdir = local.resolve_template(template)
+    _, conf = local.load_config(tdir, config)
+    conf = apply_sets(conf, sets)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp_config = Path(tmp) / "config.yaml"
+        tmp_config.write_text(yaml.safe_dump(conf, sort_keys=False))
+        run_, cwd, command = local.prepare(settings, template, tmp_config, False, seed, record_cls=record_cls)
+        kept = run_.dir / "config.yaml"
+        kept.write_text(tmp_config.read_text())
+    run_.update(config=str(kept), overrides=list(sets))
+    return run_, cwd, command

@@ -1,0 +1,1 @@
+"""Slurm as det_lab's second scheduler: cluster configs, job scripts, searches, images, CI."""

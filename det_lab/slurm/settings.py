@@ -1,0 +1,177 @@
+"""The Slurm section of the lab configuration: the machines, their GPUs, time limits, images.
+
+Like the Determined cluster section it lives in its own file, shared by every machine:
+
+1. ``--slurm-config PATH`` / ``$DET_LAB_SLURM_CONFIG`` (must exist when given),
+2. ``<data_root>/.det-lab/slurm.yaml`` on the shared volume,
+3. none: built-in defaults (this machine, no GPUs, Slurm's default partition).
+
+Example::
+
+    controller: gpu-box-1
+    nodes:
+      - {name: gpu-box-1, cpus: 32, memory: 128GiB, gpus: 2, gpu_kind: rtx4090}
+      - {name: gpu-box-2, cpus: 64, memory: 256GiB, gpus: 4, gpu_kind: a100}
+    default_time: "04:00:00"
+    image: /mnt/data/.det-lab/images/det-lab-task.sif     # jobs run under apptainer exec --nv
+
+Problems are raised as :class:`SlurmConfigError`, one line naming the file and key.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from pathlib import Path
+
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from det_lab.settings import LabSettings, read_yaml_mapping
+
+SLURM_FILE = "slurm.yaml"
+CPU_PARTITION = "cpu"
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
+#: Slurm's time formats: minutes, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS, or INFINITE
+_TIME = re.compile(r"^(INFINITE|UNLIMITED|\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}){0,2})$")
+
+
+class SlurmConfigError(ValueError):
+    """A Slurm configuration problem, phrased as one line for the user."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_time(value: str) -> str:
+    """``value`` if it is a Slurm time limit, else a ValueError saying what the formats are."""
+    if not _TIME.match(value):
+        raise ValueError(f"{value!r} is not a Slurm time (minutes, HH:MM:SS or D-HH:MM:SS)")
+    return value
+
+
+class NodeSettings(_Strict):
+    """One machine: a Slurm node. Its GPUs become ``gres`` of type ``gpu_kind``."""
+
+    name: str
+    addr: str | None = Field(default=None, description="NodeAddr when the name does not resolve")
+    cpus: int = Field(default=1, ge=1)
+    memory: ByteSize | None = Field(default=None, description="RealMemory (leave some for the OS)")
+    gpus: int = Field(default=0, ge=0)
+    gpu_kind: str | None = Field(default=None, description="e.g. rtx4090: the gres type and the partition name")
+    gpu_files: str | None = Field(default=None, description="device files; default /dev/nvidia[0-N]")
+
+    @field_validator("name", "gpu_kind")
+    @classmethod
+    def _name(cls, v: str | None) -> str | None:
+        if v is not None and not _NAME.match(v):
+            raise ValueError(f"{v!r} must be letters, digits, '-' or '_'")
+        return v
+
+    @model_validator(mode="after")
+    def _kind_with_gpus(self) -> NodeSettings:
+        if self.gpus and not self.gpu_kind:
+            raise ValueError(f"node {self.name}: gpu_kind is needed with gpus (e.g. gpu_kind: rtx4090)")
+        return self
+
+    @property
+    def partition(self) -> str:
+        return self.gpu_kind if self.gpus else CPU_PARTITION
+
+    @property
+    def device_files(self) -> str:
+        return self.gpu_files or (f"/dev/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else "/dev/nvidia0")
+
+
+class SlurmSettings(_Strict):
+    """The whole Slurm section."""
+
+    cluster_name: str = "det-lab"
+    controller: str = Field(default_factory=lambda: socket.gethostname().split(".")[0],
+                            description="the machine running slurmctld")
+    controller_addr: str | None = None
+    nodes: list[NodeSettings] = Field(default_factory=lambda: [
+        NodeSettings(name=socket.gethostname().split(".")[0], cpus=os.cpu_count() or 1)])
+    default_partition: str | None = Field(default=None, description="default: the first node's partition")
+    max_time: str = "7-00:00:00"
+    default_time: str = "1-00:00:00"
+    signal_seconds: int = Field(default=300, ge=30,
+                                description="how long before the time limit a job is told to checkpoint")
+    image: Path | None = Field(default=None, description="Apptainer image (.sif) jobs run in")
+    binds: list[Path] = Field(default_factory=list, description="extra paths bound into the image")
+    slurmctld_port: int = Field(default=6817, ge=1, le=65535)
+    slurmd_port: int = Field(default=6818, ge=1, le=65535)
+    slurm_user: str = "slurm"
+    state_dir: Path = Path("/var/spool/slurmctld")
+    spool_dir: Path = Path("/var/spool/slurmd")
+    log_dir: Path = Path("/var/log/slurm")
+    extra: dict[str, str] = Field(default_factory=dict, description="further slurm.conf keys, as given")
+    source: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("max_time", "default_time")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        return check_time(v)
+
+    @field_validator("image")
+    @classmethod
+    def _image(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"{str(v)!r} must be an absolute path (the same on every node)")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SlurmSettings:
+        if not self.nodes:
+            raise ValueError("nodes: at least one node is needed")
+        names = [n.name for n in self.nodes]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"nodes: {sorted(dup)[0]!r} is listed twice")
+        if self.default_partition and self.default_partition not in self.partitions():
+            raise ValueError(f"default_partition: {self.default_partition!r} is not a partition "
+                             f"(partitions: {', '.join(self.partitions())})")
+        return self
+
+    def partitions(self) -> dict[str, list[NodeSettings]]:
+        """One partition per GPU kind (``cpu`` for nodes without GPUs), in the nodes' order."""
+        out: dict[str, list[NodeSettings]] = {}
+        for node in self.nodes:
+            out.setdefault(node.partition, []).append(node)
+        return out
+
+    @property
+    def default(self) -> str:
+        return self.default_partition or self.nodes[0].partition
+
+
+def default_slurm_file(lab: LabSettings) -> Path:
+    """``<data_root>/.det-lab/slurm.yaml``: shared by every machine."""
+    return lab.data_root / ".det-lab" / SLURM_FILE
+
+
+def load_slurm_settings(lab: LabSettings, path: Path | str | None = None) -> SlurmSettings:
+    """Load and validate the Slurm section; ``path`` (or ``$DET_LAB_SLURM_CONFIG``) overrides the default."""
+    path = path or os.environ.get("DET_LAB_SLURM_CONFIG") or None
+    if path is not None:
+        file: Path | None = Path(path).expanduser()
+        if not file.is_file():  # type: ignore[union-attr]
+            raise SlurmConfigError(f"{file}: no such Slurm config file")
+    else:
+        file = default_slurm_file(lab)
+        if not file.is_file():
+            file = None
+    raw = read_yaml_mapping(file, SlurmConfigError) if file else {}
+    where = str(file) if file else "built-in Slurm defaults"
+    try:
+        return SlurmSettings.model_validate({**raw, "source": file})
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            known = ", ".join(k for k, f in SlurmSettings.model_fields.items() if not f.exclude)
+            raise SlurmConfigError(f"{where}: unknown key {key!r} (expected one of: {known})") from None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise SlurmConfigError(f"{where}: {key + ': ' if key else ''}{msg}") from None
