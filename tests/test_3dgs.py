@@ -314,6 +314,118 @@ def test_densify_prune_and_state_round_trip() -> None:
     torch.testing.assert_close(restored.means, model.means)
 
 
+def _ssim_2d_window(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Inria's SSIM: a full 11x11 Gaussian window, five separate convolutions."""
+    x, y = a.permute(2, 0, 1)[None], b.permute(2, 0, 1)[None]
+    t = torch.arange(11, dtype=a.dtype) - 5
+    g = torch.exp(-(t**2) / (2 * 1.5**2))
+    g = g / g.sum()
+    w = (g[:, None] * g[None, :]).expand(3, 1, 11, 11)
+    conv = lambda v: torch.nn.functional.conv2d(v, w, padding=5, groups=3)  # noqa: E731
+    mu_x, mu_y = conv(x), conv(y)
+    var_x, var_y, cov = conv(x * x) - mu_x**2, conv(y * y) - mu_y**2, conv(x * y) - mu_x * mu_y
+    c1, c2 = 0.01**2, 0.03**2
+    return (((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))).mean()
+
+
+def test_separable_ssim_equals_the_full_window_and_its_gradient() -> None:
+    g = torch.Generator().manual_seed(5)
+    a = torch.rand(37, 29, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    b = (a.detach() + 0.1 * torch.randn(37, 29, 3, generator=g, dtype=torch.float64)).clamp(0, 1)
+    fast, ref = M.ssim(a, b), _ssim_2d_window(a, b)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    (g_fast,), (g_ref,) = torch.autograd.grad(fast, a), torch.autograd.grad(ref, a)
+    torch.testing.assert_close(g_fast, g_ref, rtol=1e-8, atol=1e-12)
+
+
+def _scene(n: int = 60, seed: int = 1):
+    G = _template_module("gaussians")
+    g = torch.Generator().manual_seed(seed)
+    model = G.GaussianModel.from_points(torch.randn(n, 3, generator=g), torch.rand(n, 3, generator=g), 1,
+                                        G.LearningRates(), extent=4.0)
+    cam = R.Camera(torch.tensor([[1.0, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 5], [0, 0, 0, 1]]),
+                   torch.tensor([[32.0, 0, 16], [0, 32, 16], [0, 0, 1]]), 32, 32)
+    return G, model, cam
+
+
+def test_densification_statistics_without_indexing_match_the_indexed_ones() -> None:
+    G, model, cam = _scene()
+    with torch.no_grad():
+        model.params["means"][:10, 2] = -20.0  # behind the camera: not drawn
+    model.max_radii[:] = torch.rand(len(model)) * 3  # some history the update must keep
+    grad2d, count, max_radii = model.grad2d.clone(), model.count.clone(), model.max_radii.clone()
+    out = R.TorchRasterizer().render(model.means, model.quats, model.scales, model.opacities, model.sh, cam, sh_degree=0)
+    out.image.sum().backward()
+    model.update_stats(out, 32, 32)
+    drawn = out.radii > 0
+    assert 0 < int(drawn.sum()) < len(model)
+    ndc = out.means2d.grad * torch.tensor([16.0, 16.0])  # the pre-change update: boolean indexing
+    grad2d[drawn] += ndc[drawn].norm(dim=-1)
+    count[drawn] += 1
+    max_radii[drawn] = torch.maximum(max_radii[drawn], out.radii[drawn])
+    torch.testing.assert_close(model.grad2d, grad2d)
+    torch.testing.assert_close(model.count, count)
+    torch.testing.assert_close(model.max_radii, max_radii)
+
+
+def test_mcmc_relocation_keeps_what_the_copies_render() -> None:
+    MC = _template_module("mcmc")
+    g = torch.Generator().manual_seed(2)
+    o, s = 0.02 + 0.95 * torch.rand(200, generator=g), torch.rand(200, 3, generator=g)
+    n = torch.randint(1, 30, (200,), generator=g)
+    new_o, new_s = MC.relocation(o, s, n)
+    # n copies at opacity o' are as opaque as the original: 1 - (1 - o')^n = o
+    torch.testing.assert_close(1 - (1 - new_o.double()) ** n, o.double(), rtol=1e-5, atol=1e-6)
+    assert (new_s <= s + 1e-6).all() and (new_o <= o).all()
+    one_o, one_s = MC.relocation(o, s, torch.ones(200, dtype=torch.long))  # one copy: unchanged
+    torch.testing.assert_close(one_o, o)
+    torch.testing.assert_close(one_s, s)
+    # n = 2 in closed form (Eq. 9): s' = s * o / (2 o' - o'^2 / sqrt 2)
+    o2, s2 = MC.relocation(o, s, torch.full((200,), 2))
+    torch.testing.assert_close(s2, s * (o / (2 * o2 - o2**2 / math.sqrt(2)))[:, None], rtol=1e-5, atol=1e-6)
+
+
+def test_mcmc_relocates_dead_gaussians_and_grows_to_the_cap() -> None:
+    G, model, cam = _scene(n=50)
+    MC = _template_module("mcmc")
+    with torch.no_grad():
+        model.params["opacity_logits"][:8] = -10.0  # dead
+    out = R.TorchRasterizer().render(model.means, model.quats, model.scales, model.opacities, model.sh, cam, sh_degree=0)
+    out.image.sum().backward()
+    model.optimizer.step()
+    cfg = MC.MCMC(cap_max=55)
+    gen = torch.Generator().manual_seed(0)
+    assert MC.relocate_dead(model, cfg, gen) == 8
+    assert len(model) == 50 and (model.opacities > cfg.min_opacity).all()
+    moved = model.means[:8]
+    assert all((model.means[8:] == m).all(-1).any() for m in moved)  # each dead one now sits on a live one
+    state = model.optimizer.state[model.params["means"]]
+    copied_from = [int(torch.nonzero((model.means[8:] == m).all(-1))[0]) + 8 for m in moved]
+    assert (state["exp_avg"][copied_from] == 0).all()  # the sources' moments are forgotten
+    assert MC.add_new(model, cfg, gen) == 2  # 5 % of 50, rounded down, within the cap
+    assert MC.add_new(model, cfg, gen) == 2 and MC.add_new(model, cfg, gen) == 1 and len(model) == 55
+    assert MC.add_new(model, cfg, gen) == 0
+    for group in model.optimizer.param_groups:
+        assert group["params"][0].shape[0] == 55
+
+
+@pytest.mark.parametrize("strategy", ["default", "mcmc"])
+def test_train_step_learns_with_either_strategy(strategy: str) -> None:
+    G, model, cam = _scene(n=80, seed=3)
+    S, MC = _template_module("step"), _template_module("mcmc")
+    target = R.TorchRasterizer().render(*(t.detach() for t in (model.means + 0.05, model.quats, model.scales,
+                                                               model.opacities)), torch.rand(80, 3), cam).image
+    schedule = G.Schedule(iterations=40, densify_from=10, densify_until=30, densify_every=10,
+                          opacity_reset_every=1000, sh_degree_every=1000)
+    step = S.TrainStep(model, R.TorchRasterizer(), schedule, densify=G.Densify(max_gaussians=120),
+                       strategy=strategy, mcmc=MC.MCMC(cap_max=100))
+    losses = [float(step(i, cam, target, torch.zeros(3))) for i in range(1, 41)]
+    assert losses[-1] < 0.7 * losses[0]
+    assert len(model) <= (100 if strategy == "mcmc" else 120) and len(model) != 80
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        S.TrainStep(model, R.TorchRasterizer(), schedule, densify=G.Densify(), strategy="clone-everything")
+
+
 # --- end to end -----------------------------------------------------------------------------------
 
 

@@ -28,7 +28,7 @@ from tests.conftest import VENV_BIN, Lab
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "experiment_templates" / "vla"
 VALIDATOR = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
-CONFIGS = ("const.yaml", "search.yaml", "gpu.yaml")
+CONFIGS = ("const.yaml", "search.yaml", "gpu.yaml", "gpu-large.yaml")
 
 
 # --- the reader --------------------------------------------------------------------------------
@@ -257,18 +257,164 @@ def test_each_config_builds_a_policy_that_learns_a_step(demos, config, template_
     hp["val_episodes"] = 1
     splits = load_splits(demos["v3"], hp)
     full = splits.full
+    side = hp.get("resize")
     cfg = VLAConfig.from_hparams(hp["model"], state_dim=4, action_dim=4, horizon=hp["horizon"],
-                                 image_shape=full.image_shape(IMAGE_KEY))
+                                 image_shape=(3, side, side) if side else full.image_shape(IMAGE_KEY))
     policy = VLAPolicy(cfg, {k: full.norm_stats(k) for k in ("observation.state", "action", IMAGE_KEY)}, full.cameras)
-    batch = torch.utils.data.default_collate([splits.train[i] for i in range(4)])
+    n = 1 if side else 4  # the 224x224 ~100M model: one item keeps the CPU step to seconds
+    batch = torch.utils.data.default_collate([splits.train[i] for i in range(n)])
     out = policy(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"], batch["action"], batch["action_is_pad"])
-    assert out["action"].shape == (4, hp["horizon"], 4) and out["loss"].ndim == 0
+    assert out["action"].shape == (n, hp["horizon"], 4) and out["loss"].ndim == 0
     out["loss"].backward()
     n_params = sum(p.numel() for p in policy.parameters())
     if config == "gpu.yaml":
         assert n_params > 10_000_000
+    elif config == "gpu-large.yaml":
+        assert 90e6 < n_params < 110e6  # the ~100M configuration
     elif config == "const.yaml":
         assert n_params < 500_000
+
+
+# --- speed switches and the frame cache ------------------------------------------------------------
+
+
+def _policy_pair(full, hp_model: dict, **switches):
+    """Two policies with the same weights: the speed switches on (``switches``) and all off."""
+    import torch
+
+    from model import VLAConfig, VLAPolicy, apply_speed_switches
+
+    stats = {k: full.norm_stats(k) for k in ("observation.state", "action", IMAGE_KEY)}
+    cfg = dict(state_dim=4, action_dim=4, horizon=4, image_shape=full.image_shape(IMAGE_KEY))
+    torch.manual_seed(0)
+    fast = VLAPolicy(VLAConfig.from_hparams({**hp_model, "attention": "sdpa"}, **cfg), stats, full.cameras)
+    plain = VLAPolicy(VLAConfig.from_hparams({**hp_model, "attention": "math"}, **cfg), stats, full.cameras)
+    plain.load_state_dict(fast.state_dict())
+    return apply_speed_switches(fast, switches), plain
+
+
+@pytest.mark.parametrize("encoder", ["cnn", "patch"])
+def test_speed_switches_train_to_the_same_losses(demos, tmp_path, encoder, template_modules):
+    """SDPA vs written-out attention, fused vs per-tensor AdamW, channels-last vs not, uint8
+    frames from the cache vs float frames decoded per item: the same losses, step after step."""
+    import torch
+
+    from dataset import collate_batch, load_splits
+
+    hp = {"horizon": 4, "val_episodes": 1, "model": {"d_model": 32, "n_heads": 4, "n_layers": 2, "ff_mult": 2,
+          "image_encoder": encoder, "patch_size": 4, "vocab_size": 64, "max_text_tokens": 8}}
+    decoded, cached = load_splits(demos["v3"], hp), load_splits(demos["v3"], hp, tmp_path / "cache")
+    fast, plain = _policy_pair(decoded.full, hp["model"], channels_last=True)
+    opt_fast = torch.optim.AdamW(fast.parameters(), lr=3e-3, fused=True)
+    opt_plain = torch.optim.AdamW(plain.parameters(), lr=3e-3, foreach=False)
+    loader_kw = dict(batch_size=8, shuffle=True, generator=None)
+    for step in range(4):  # (parameters are not compared: Adam turns rounding noise in gradients that are
+        # exactly zero, such as the key bias's, into lr-sized steps; the losses show the training agrees)
+        loader_kw["generator"] = torch.Generator().manual_seed(step)
+        a = next(iter(torch.utils.data.DataLoader(cached.train, collate_fn=collate_batch, **loader_kw)))
+        loader_kw["generator"] = torch.Generator().manual_seed(step)
+        b = next(iter(torch.utils.data.DataLoader(decoded.train, **loader_kw)))
+        assert a["images"].dtype == torch.uint8 and a["images"].shape[1] == 1
+        out_fast = fast(a["images"], a["state"], a["text_ids"], a["text_valid"], a["action"], a["action_is_pad"])
+        out_plain = plain(b["images"], b["state"], b["text_ids"], b["text_valid"], b["action"], b["action_is_pad"])
+        torch.testing.assert_close(out_fast["loss"], out_plain["loss"], rtol=1e-4, atol=1e-5)
+        for opt, out in ((opt_fast, out_fast), (opt_plain, out_plain)):
+            opt.zero_grad()
+            out["loss"].backward()
+            opt.step()
+
+
+def test_compile_switch_keeps_checkpoints_loadable(demos, template_modules):
+    """torch.compile in place: the same state-dict keys, so checkpoints load with or without it."""
+    from dataset import load_splits
+
+    hp = {"horizon": 4, "val_episodes": 1, "model": {"d_model": 32, "n_heads": 4, "n_layers": 1, "patch_size": 4,
+                                                      "vocab_size": 64, "max_text_tokens": 8}}
+    compiled, plain = _policy_pair(load_splits(demos["v3"], hp).full, hp["model"], compile=True)
+    assert list(compiled.state_dict()) == list(plain.state_dict())
+    plain.load_state_dict(compiled.state_dict())
+
+
+def test_frame_cache_holds_the_decoded_frames(demos, tmp_path, template_modules):
+    import torch
+
+    from frame_cache import open_frames
+    from model import Normalize
+
+    ds = LeRobotDataset(demos["v3"], horizon=1)
+    frames = open_frames(ds, tmp_path, revision="rev-a")
+    assert frames.dtype == np.uint8 and frames.shape == (len(ds), 1, 3, 16, 16)
+    for i in (0, 17, len(ds) - 1):  # item i of the full dataset is row i
+        np.testing.assert_array_equal(frames[i, 0], np.round(ds[i][IMAGE_KEY] * 255).astype(np.uint8))
+    # resized once into the cache: within uint8 rounding of resizing each decoded item
+    resized = open_frames(ds, tmp_path, resize=24, revision="rev-a")
+    from dataset import PolicyFrames
+
+    item = PolicyFrames(ds, vocab_size=64, max_text_tokens=8, resize=24)[5]["images"][0]
+    assert np.abs(resized[5, 0] / 255.0 - item.numpy()).max() <= 0.5 / 255 + 1e-6
+    # the model reads uint8 and [0, 1] floats alike
+    norm = Normalize(np.full((3, 1, 1), 0.5), np.full((3, 1, 1), 0.25))
+    torch.testing.assert_close(norm.images(torch.from_numpy(np.array(frames[:2, 0]))),
+                               norm(torch.from_numpy(np.array(frames[:2, 0])).float() / 255))
+
+
+def test_frame_cache_follows_the_dataset_revision(demos, tmp_path, template_modules):
+    from PIL import Image
+
+    from frame_cache import open_frames
+
+    root = _copy(demos["v3"], tmp_path)
+    cache = tmp_path / "cache"
+    before = np.array(open_frames(LeRobotDataset(root), cache))
+    png = root / "images" / IMAGE_KEY / "episode_000001" / "frame_000002.png"
+    Image.fromarray(np.full((16, 16, 3), 7, dtype=np.uint8)).save(png)  # a new revision of one frame
+    after = np.array(open_frames(LeRobotDataset(root), cache))
+    assert (after[12] == 7).all() and not (before[12] == 7).all()
+    np.testing.assert_array_equal(np.delete(after, 12, 0), np.delete(before, 12, 0))
+    assert len(list(cache.glob("frames-*.npy"))) == 2
+    # a pulled snapshot names its revision (the DVC md5): same files, other revision, other cache
+    open_frames(LeRobotDataset(root), cache, revision="md5-of-another-revision")
+    assert len(list(cache.glob("frames-*.npy"))) == 3
+
+
+def test_killed_cache_builder_leaves_nothing_a_reader_takes(demos, tmp_path):
+    """kill -9 mid-build: no cache file appears; the next reader builds a whole one and removes
+    the dead builder's temporary file."""
+    cache = tmp_path / "cache"
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(TEMPLATE)!r})
+import frame_cache
+from det_lab.datasets import LeRobotDataset
+frame_cache._BUILD_CHUNK = 4
+slow = frame_cache.to_uint8
+def to_uint8(images, resize):
+    print("chunk", flush=True)
+    time.sleep(0.5)
+    return slow(images, resize)
+frame_cache.to_uint8 = to_uint8
+frame_cache.open_frames(LeRobotDataset({str(demos["v3"])!r}), {str(cache)!r})
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "chunk\n"
+        assert proc.stdout.readline() == "chunk\n"  # the temporary file is being written
+        assert len(list(cache.glob(".frames-*.tmp"))) == 1
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=60)
+    assert not list(cache.glob("frames-*.npy"))
+    sys.path.insert(0, str(TEMPLATE))
+    try:
+        from frame_cache import open_frames
+
+        ds = LeRobotDataset(demos["v3"])
+        frames = open_frames(ds, cache)
+    finally:
+        sys.path.remove(str(TEMPLATE))
+        sys.modules.pop("frame_cache", None)
+    np.testing.assert_array_equal(frames[-1, 0], np.round(ds[len(ds) - 1][IMAGE_KEY] * 255).astype(np.uint8))
+    assert not list(cache.glob(".frames-*.tmp"))
 
 
 def test_startup_hook_installs_det_lab_only_when_missing(tmp_path):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import resource
 import sys
 
@@ -15,22 +16,30 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
     return 10.0 * torch.log10(torch.tensor(1.0 / max(mse, 1e-10))).item()
 
 
-def _window(size: int, sigma: float, channels: int, like: torch.Tensor) -> torch.Tensor:
-    x = torch.arange(size, dtype=like.dtype, device=like.device) - (size - 1) / 2
+@functools.lru_cache(maxsize=8)
+def _gaussian_1d(size: int, sigma: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    x = torch.arange(size, dtype=torch.float64) - (size - 1) / 2
     g = torch.exp(-(x**2) / (2 * sigma**2))
-    g = g / g.sum()
-    return (g[:, None] * g[None, :]).expand(channels, 1, size, size).contiguous()
+    return (g / g.sum()).to(dtype=dtype, device=device)
 
 
 def ssim(a: torch.Tensor, b: torch.Tensor, window: int = 11, sigma: float = 1.5) -> torch.Tensor:
     """Mean SSIM (Wang et al. 2004; 11x11 Gaussian window, sigma 1.5, as the 3DGS code) of two
-    (H, W, 3) images in [0, 1]; differentiable. Borders are zero-padded like Inria's version."""
+    (H, W, 3) images in [0, 1]; differentiable. Borders are zero-padded like Inria's version.
+
+    The 2D Gaussian window is the outer product of a 1D one, so the five local statistics
+    (means, second moments, covariance) are filtered together as 15 channels by one row pass
+    and one column pass: 22 multiply-adds per pixel and channel instead of 121, in 2 launches.
+    """
     x, y = a.permute(2, 0, 1)[None], b.permute(2, 0, 1)[None]
-    w = _window(window, sigma, x.shape[1], x)
-    conv = lambda t: F.conv2d(t, w, padding=window // 2, groups=x.shape[1])  # noqa: E731
-    mu_x, mu_y = conv(x), conv(y)
-    var_x, var_y = conv(x * x) - mu_x**2, conv(y * y) - mu_y**2
-    cov = conv(x * y) - mu_x * mu_y
+    c = x.shape[1]
+    g = _gaussian_1d(window, sigma, x.dtype, x.device)
+    stats = torch.cat([x, y, x * x, y * y, x * y], dim=1)  # (1, 5C, H, W)
+    pad = window // 2
+    filt = F.conv2d(stats, g.view(1, 1, 1, window).expand(5 * c, 1, 1, window), padding=(0, pad), groups=5 * c)
+    filt = F.conv2d(filt, g.view(1, 1, window, 1).expand(5 * c, 1, window, 1), padding=(pad, 0), groups=5 * c)
+    mu_x, mu_y, xx, yy, xy = filt.split(c, dim=1)
+    var_x, var_y, cov = xx - mu_x**2, yy - mu_y**2, xy - mu_x * mu_y
     c1, c2 = 0.01**2, 0.03**2
     s = ((2 * mu_x * mu_y + c1) * (2 * cov + c2)) / ((mu_x**2 + mu_y**2 + c1) * (var_x + var_y + c2))
     return s.mean()

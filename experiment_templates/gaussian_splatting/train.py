@@ -18,9 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 from gaussians import Densify, GaussianModel, LearningRates, Schedule
+from mcmc import MCMC
 from metrics import lpips_metric, peak_memory_mb, psnr, ssim
 from PIL import Image
-from rasterizer import Camera, Rasterizer, make_rasterizer
+from rasterizer import Camera, make_rasterizer
+from step import TrainStep, render
 
 import det_lab.core
 from det_lab.scenes import Scene, load_scene
@@ -45,11 +47,6 @@ class Views:
         """Views in a fresh random order each epoch; a function of ``step``, so resumable."""
         epoch, k = divmod(step, len(self.train))
         return self.train[np.random.default_rng([seed, epoch]).permutation(len(self.train))[k]]
-
-
-def render(model: GaussianModel, rast: Rasterizer, cam: Camera, background: torch.Tensor):
-    return rast.render(model.means, model.quats, model.scales, model.opacities, model.sh, cam,
-                       background=background, sh_degree=model.active_sh_degree)
 
 
 def renders_dir(ctx: Any) -> Path:
@@ -94,7 +91,6 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     validate_every, checkpoint_every = int(hp.get("validate_every", 100)), int(hp.get("checkpoint_every", 500))
     ssim_lambda = float(hp.get("ssim_lambda", 0.2))
     lpips = lpips_metric(device)
-    gen = torch.Generator(device=device)
     out_dir = renders_dir(ctx)
 
     start = 0
@@ -146,41 +142,26 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
         ctx.train.report_validation_metrics(step, metrics)
         log.info("validation at step %d: %s", step, {k: round(v, 4) for k, v in metrics.items()})
 
-    iter_times: list[float] = []
-    losses: list[float] = []
+    trainer = TrainStep(model, rast, schedule, densify=densify, ssim_lambda=ssim_lambda,
+                        strategy=hp.get("strategy", "default"), mcmc=MCMC(**(hp.get("mcmc") or {})), seed=seed,
+                        device=device)
+    loss_sum, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
     for step in range(start + 1, total + 1):
-        t0 = time.perf_counter()
-        lr = model.step_lr(step, total)
-        model.step_sh_degree(step, schedule.sh_degree_every)
         i = views.train_view(step - 1, seed)
-        out = render(model, rast, views.cameras[i], background)
-        l1 = torch.abs(out.image - views.images[i]).mean()
-        loss = (1 - ssim_lambda) * l1 + ssim_lambda * (1 - ssim(out.image, views.images[i]))
-        loss.backward()
-        with torch.no_grad():
-            if step <= schedule.densify_until:
-                model.update_stats(out, views.cameras[i].width, views.cameras[i].height)
-                if step >= schedule.densify_from and step % schedule.densify_every == 0:
-                    gen.manual_seed(seed * 1_000_003 + step)
-                    changed = model.densify_and_prune(densify, step > schedule.opacity_reset_every, gen)
-                    log.debug("step %d: %s -> %d Gaussians", step, changed, len(model))
-                if step % schedule.opacity_reset_every == 0:
-                    model.reset_opacity()
-        model.optimizer.step()
-        model.optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        iter_times.append(time.perf_counter() - t0)
-        losses.append(float(loss.detach()))
-
-        if step % report_every == 0 or step == total:
+        loss_sum += trainer(step, views.cameras[i], views.images[i], background)
+        window_steps += 1
+        reported = step % report_every == 0 or step == total
+        if reported:  # the only host sync of a plain iteration: once per reporting window
+            loss = float(loss_sum) / window_steps
+            elapsed = time.perf_counter() - window_start
             mem_key, mem = peak_memory_mb(device)
             ctx.train.report_training_metrics(step, {
-                "loss": float(np.mean(losses)), "num_gaussians": len(model), "lr_means": lr,
-                "iter_ms": 1000 * float(np.mean(iter_times)), "its_per_s": len(iter_times) / sum(iter_times),
+                "loss": loss, "num_gaussians": len(model), "lr_means": lrs.means_at(step, total, model.extent),
+                "iter_ms": 1000 * elapsed / window_steps, "its_per_s": window_steps / elapsed,
                 "sh_degree": model.active_sh_degree, mem_key: mem})
             ctx.train.report_progress(step / total)
-            iter_times, losses = [], []
+            loss_sum.zero_()
+            window_steps = 0
         if views.test and (step % validate_every == 0 or step == total):
             validate(step)
         preempt = ctx.preempt.should_preempt()
@@ -189,6 +170,8 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
         if preempt:
             log.info("preempted at step %d: checkpointed, stopping", step)
             return
+        if reported:
+            window_start = time.perf_counter()  # validation and checkpoints stay out of iter_ms
 
 
 def write_ply(model: GaussianModel, path: Path) -> None:

@@ -10,6 +10,13 @@ transformer, a chunk of future actions read out of learned queries), small enoug
 a CPU in a minute and big enough on GPUs by turning ``d_model``/``n_layers``/``patch_size`` up.
 Inputs and targets are normalised with the dataset's ``meta/stats.json``, kept as buffers, so a
 checkpoint alone reproduces the policy.
+
+Speed switches (hyperparameters; none changes what is computed, ``tests/test_vla.py`` checks the
+losses agree): ``model.attention: sdpa`` (PyTorch's fused scaled-dot-product attention; ``math``
+is the same attention written out), ``fused_adamw`` (one kernel for the whole optimizer step on
+CUDA), ``compile`` (``torch.compile`` of the policy in place: state-dict keys unchanged) and
+``channels_last`` (the CNN encoder's convolutions in NHWC, which cuDNN runs faster in bf16).
+Images may arrive as uint8 (the frame cache): they are scaled to [0, 1] on the device.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 _WORD = re.compile(r"[a-z0-9]+")
@@ -58,6 +66,7 @@ class VLAConfig:
     patch_size: int = 8  # image tokens: (H / patch_size) x (W / patch_size) per camera
     vocab_size: int = 1024
     max_text_tokens: int = 16
+    attention: str = "sdpa"  # "sdpa" (fused kernels) or "math" (the same, written out)
 
     @classmethod
     def from_hparams(cls, model_hparams: Mapping[str, Any], **shapes: Any) -> VLAConfig:
@@ -81,6 +90,12 @@ class Normalize(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return (x - self.mean) / self.std
+
+    def images(self, x: torch.Tensor) -> torch.Tensor:
+        """Like :meth:`forward` for images given in [0, 1] or as uint8 (0..255)."""
+        if x.dtype == torch.uint8:
+            x = x.float().mul_(1.0 / 255.0)
+        return self(x)
 
     def inverse(self, x: torch.Tensor) -> torch.Tensor:
         return x * self.std + self.mean
@@ -111,9 +126,43 @@ class ImageEncoder(nn.Module):
         else:
             raise ValueError(f"image_encoder must be 'cnn' or 'patch', got {cfg.image_encoder!r}")
         self.pos = nn.Parameter(torch.randn(1, (h // p) * (w // p), d) * 0.02)
+        self.channels_last = False  # set by apply_speed_switches
 
     def forward(self, image: torch.Tensor) -> torch.Tensor:
+        if self.channels_last:
+            image = image.contiguous(memory_format=torch.channels_last)
         return self.net(image).flatten(2).transpose(1, 2) + self.pos
+
+
+class Block(nn.Module):
+    """A pre-norm transformer encoder layer (as ``nn.TransformerEncoderLayer(norm_first=True)``)
+    with one fused QKV projection and attention through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, d: int, n_heads: int, ff: int, dropout: float, attention: str) -> None:
+        super().__init__()
+        if d % n_heads:
+            raise ValueError(f"d_model {d} is not divisible by n_heads {n_heads}")
+        if attention not in ("sdpa", "math"):
+            raise ValueError(f"model.attention must be 'sdpa' or 'math', got {attention!r}")
+        self.n_heads, self.dropout, self.attention = n_heads, dropout, attention
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ff = nn.Sequential(nn.Linear(d, ff), nn.GELU(), nn.Dropout(dropout), nn.Linear(ff, d))
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor, attend: torch.Tensor) -> torch.Tensor:
+        """``x`` (B, L, d); ``attend`` (B, 1, 1, L) bool, False for keys to ignore (padding)."""
+        b, n, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, n, 3, self.n_heads, d // self.n_heads).permute(2, 0, 3, 1, 4)
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=attend, dropout_p=p)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+            weights = F.dropout(scores.masked_fill(~attend, float("-inf")).softmax(-1), p)
+            a = weights @ v
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, n, d)))
+        return x + self.drop(self.ff(self.norm2(x)))
 
 
 class VLAPolicy(nn.Module):
@@ -135,31 +184,36 @@ class VLAPolicy(nn.Module):
         self.state_proj = nn.Linear(cfg.state_dim, d)
         self.action_queries = nn.Parameter(torch.randn(1, cfg.horizon, d) * 0.02)
         self.modality = nn.Parameter(torch.zeros(4, d))  # image, text, state, action-query
-        layer = nn.TransformerEncoderLayer(d, cfg.n_heads, cfg.ff_mult * d, cfg.dropout,
-                                           activation="gelu", batch_first=True, norm_first=True)
-        self.transformer = nn.TransformerEncoder(layer, cfg.n_layers, enable_nested_tensor=False)
+        self.blocks = nn.ModuleList(Block(d, cfg.n_heads, cfg.ff_mult * d, cfg.dropout, cfg.attention)
+                                    for _ in range(cfg.n_layers))
         self.out_norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, cfg.action_dim)
 
-    def forward(self, images: Sequence[torch.Tensor], state: torch.Tensor, text_ids: torch.Tensor,
+    def forward(self, images: Sequence[torch.Tensor] | torch.Tensor, state: torch.Tensor, text_ids: torch.Tensor,
                 text_valid: torch.Tensor, action: torch.Tensor | None = None,
                 action_is_pad: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Images (B,C,H,W) in [0,1], state (B,S), text (B,T) -> ``{"action": (B,H,A)}`` in robot units.
+        """Images: one (B,C,H,W) per camera in [0,1] or uint8, or all cameras as (B,cams,C,H,W);
+        state (B,S), text (B,T) -> ``{"action": (B,H,A)}`` in robot units.
 
         With ``action`` (B,H,A) and ``action_is_pad`` (B,H) it adds ``loss`` (L1 in normalised
         units, padded steps masked), ``action_l1`` (in robot units) and ``action_l1_first``
         (the first step of the chunk only).
         """
         b = state.shape[0]
-        tokens = [enc(norm(img)) + self.modality[0] for enc, norm, img in zip(self.image_encoders, self.norm_images, images)]
+        if isinstance(images, torch.Tensor):
+            images = images.unbind(1)
+        tokens = [enc(norm.images(img)) + self.modality[0]
+                  for enc, norm, img in zip(self.image_encoders, self.norm_images, images)]
         tokens.append(self.text_embed(text_ids) + self.text_pos + self.modality[1])
         tokens.append((self.state_proj(self.norm_state(state)) + self.modality[2]).unsqueeze(1))
         tokens.append(self.action_queries.expand(b, -1, -1) + self.modality[3])
         x = torch.cat(tokens, dim=1)
         n_img = x.shape[1] - text_ids.shape[1] - 1 - self.cfg.horizon
-        pad = torch.zeros(b, x.shape[1], dtype=torch.bool, device=x.device)
-        pad[:, n_img : n_img + text_ids.shape[1]] = ~text_valid
-        x = self.transformer(x, src_key_padding_mask=pad)
+        attend = torch.ones(b, x.shape[1], dtype=torch.bool, device=x.device)
+        attend[:, n_img : n_img + text_ids.shape[1]] = text_valid
+        attend = attend[:, None, None, :]
+        for block in self.blocks:
+            x = block(x, attend)
         pred_n = self.head(self.out_norm(x[:, -self.cfg.horizon :])).float()
         out = {"action": self.norm_action.inverse(pred_n)}
         if action is not None:
@@ -170,3 +224,24 @@ class VLAPolicy(nn.Module):
             out["action_l1"] = err.sum() / per
             out["action_l1_first"] = err[:, 0].sum() / (valid[:, 0].sum() * action.shape[-1])
         return out
+
+
+def build_optimizer(model: nn.Module, hp: Mapping[str, Any]) -> torch.optim.AdamW:
+    """AdamW from ``lr``/``weight_decay``; ``fused_adamw`` (default on) uses the fused CUDA kernel
+    when the parameters are on a GPU (same update, one launch instead of one per tensor group)."""
+    on_cuda = next(model.parameters()).is_cuda
+    fused = bool(hp.get("fused_adamw", True)) and on_cuda
+    return torch.optim.AdamW(model.parameters(), lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]),
+                             fused=fused or None)
+
+
+def apply_speed_switches(policy: VLAPolicy, hp: Mapping[str, Any]) -> VLAPolicy:
+    """``channels_last`` and ``compile`` from the hyperparameters, in place (parameters and
+    state-dict keys unchanged, so checkpoints load either way)."""
+    if hp.get("channels_last") and policy.cfg.image_encoder == "cnn":
+        policy.image_encoders.to(memory_format=torch.channels_last)
+        for encoder in policy.image_encoders:
+            encoder.channels_last = True
+    if hp.get("compile"):
+        policy.compile()
+    return policy

@@ -22,9 +22,12 @@ import determined as det
 import torch
 from determined import pytorch
 
-from dataset import load_splits
+from dataset import CachedPolicyFrames, collate_batch, load_splits
 from det_lab.trials.pytorch import LabPyTorchTrial, run
-from model import VLAConfig, VLAPolicy
+from det_lab.volume import VolumeLayout
+from device_feed import OneBatchLate, to_device
+from frame_cache import resolve_cache_dir
+from model import VLAConfig, VLAPolicy, apply_speed_switches, build_optimizer
 
 POLICY_FILE = "vla_policy.json"
 
@@ -47,7 +50,9 @@ class VLATrial(LabPyTorchTrial):
         self.hp = hp
         if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
             torch.set_num_threads(int(hp["torch_threads"]))
-        self.splits = load_splits(self.dataset_path, hp)
+        cache_dir = resolve_cache_dir(hp.get("frame_cache"), VolumeLayout(self.session.settings.data_root)
+                                      .outputs(self.lab.project) / "frame-cache")
+        self.splits = load_splits(self.dataset_path, hp, cache_dir, self.dataset.identity.md5 if self.dataset else None)
         full = self.splits.full
         shapes = {full.image_shape(k) for k in full.cameras}
         if hp.get("resize"):
@@ -58,9 +63,8 @@ class VLATrial(LabPyTorchTrial):
                                           horizon=int(hp["horizon"]), image_shape=shapes.pop(),
                                           n_cameras=len(full.cameras))
         stats = {k: full.norm_stats(k) for k in ("observation.state", "action", *full.cameras) if k in full.stats}
-        self.model = context.wrap_model(VLAPolicy(self.cfg, stats, full.cameras))
-        self.opt = context.wrap_optimizer(torch.optim.AdamW(
-            self.model.parameters(), lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"])))
+        self.model = context.wrap_model(apply_speed_switches(VLAPolicy(self.cfg, stats, full.cameras), hp))
+        self.opt = context.wrap_optimizer(build_optimizer(self.model, hp))
         total = self._total_batches()
         warmup = min(int(hp.get("warmup_batches", 0)), total // 2)
         self.sched = context.wrap_lr_scheduler(
@@ -68,6 +72,8 @@ class VLATrial(LabPyTorchTrial):
             step_mode=pytorch.LRScheduler.StepMode.STEP_EVERY_BATCH,
         )
         self.bf16 = bool(hp.get("bf16")) and torch.cuda.is_available()
+        context.experimental.disable_auto_to_device()  # to_device(): asynchronous copies instead
+        self.metrics_late = OneBatchLate()  # the harness never waits for the batch just queued
         self.description = {
             "policy": self.cfg.to_dict(), "cameras": full.cameras, "fps": full.fps,
             "train_episodes": self.splits.train_episodes, "val_episodes": self.splits.val_episodes,
@@ -87,9 +93,10 @@ class VLATrial(LabPyTorchTrial):
 
     def _loader(self, frames, train: bool) -> pytorch.DataLoader:
         workers = int(self.hp.get("num_workers", 0))
+        cached = {"collate_fn": collate_batch} if isinstance(frames, CachedPolicyFrames) else {}
         return pytorch.DataLoader(
             frames, batch_size=self.context.get_per_slot_batch_size(), shuffle=train, drop_last=train,
-            num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(),
+            num_workers=workers, persistent_workers=workers > 0, pin_memory=torch.cuda.is_available(), **cached,
         )
 
     def build_training_data_loader(self) -> pytorch.DataLoader:
@@ -99,6 +106,7 @@ class VLATrial(LabPyTorchTrial):
         return self._loader(self.splits.val, train=False)
 
     def _forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
+        batch = to_device(batch, self.context.device)
         with self._autocast():
             return self.model(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"],
                               batch["action"], batch["action_is_pad"])
@@ -109,7 +117,8 @@ class VLATrial(LabPyTorchTrial):
         clip = float(self.hp.get("grad_clip", 0) or 0)
         self.context.step_optimizer(
             self.opt, clip_grads=(lambda params: torch.nn.utils.clip_grad_norm_(params, clip)) if clip else None)
-        return {"loss": out["loss"], "action_l1": out["action_l1"], "lr": self.sched.get_last_lr()[0]}
+        late = self.metrics_late.push({"loss": out["loss"], "action_l1": out["action_l1"]})
+        return {**late, "lr": self.sched.get_last_lr()[0]}
 
     def evaluate_batch(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
         out = self._forward(batch)
