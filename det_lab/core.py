@@ -2,15 +2,16 @@
 
     import det_lab.core
     with det_lab.core.init() as ctx:
-        data_dir = ctx.dataset.path
-        for step in range(start, total):
+        data_dir = ctx.dataset_path
+        for step in range(start, ctx.training_length.value):
             ...
             ctx.train.report_training_metrics(step, {"loss": loss})
             if ctx.preempt.should_preempt(): ...
 
 Everything of ``det.core.Context`` is there (``train``, ``checkpoint``, ``preempt``,
-``distributed``, ``searcher``), instrumented; plus ``dataset``, ``hparams``,
-``latest_checkpoint`` and ``session``.
+``distributed``, ``searcher``), instrumented; plus the names every det_lab trial has
+(:class:`~det_lab.trials.surface.TrialSurface`: ``dataset_path``, ``hparams``,
+``training_length``, ``outputs_dir``, ``mirror``, ``lineage``, ``latest_checkpoint``...).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from determined import core as det_core
 
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section
-from det_lab.trials.session import LabSession, current_trial
-from det_lab.trials.shims import harness_shims
+from det_lab.trials.harness import harness_shims
+from det_lab.trials.identity import read_identity
+from det_lab.trials.session import LabSession
 from det_lab.trials.surface import TrialSurface
 from det_lab.volume import VolumeLayout
 
@@ -56,7 +58,7 @@ def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None
          checkpoint_storage: str | None = None) -> Iterator[LabContext]:
     """Mirror of ``det.core.init`` for det_lab trials; see the module docstring."""
     settings = settings or load_settings()
-    identity = current_trial(exp_conf, hparams)
+    identity = read_identity(exp_conf, hparams)
     lab = lab_section(identity.exp_conf)
     ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project))
     with harness_shims(ckpt, [settings.data_root]):

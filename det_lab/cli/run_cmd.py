@@ -11,6 +11,7 @@ from rich.table import Table
 
 from det_lab.cli.common import console, fail, state
 from det_lab.trials import local
+from det_lab.trials.record import LocalRunRecord
 
 
 def run(
@@ -32,7 +33,7 @@ def run(
         fail(str(exc))
     st = run_.state()
     how = f"resuming {st['name']} from checkpoint {st['latest_checkpoint']}" if resume else f"run {st['name']}"
-    console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.dir / 'train.log'}", highlight=False)
+    console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.log_file}", highlight=False)
     proc = local.launch(run_, cwd, command, settings)
     code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
     local.record_exit(run_, code)
@@ -41,9 +42,9 @@ def run(
         raise typer.Exit(code if code > 0 else 1)
 
 
-def _summary(run_: local.LocalRun, code: int) -> None:
+def _summary(run_: LocalRunRecord, code: int) -> None:
     st = run_.state()
-    step, val = local.progress_of(run_)
+    step, val = run_.progress()
     title = st["status"] if code == 0 else f"{st['status']} (exit code {code})"
     table = Table(title=f"{st['name']}: {title}", show_header=False,
                   title_justify="left")
@@ -53,16 +54,15 @@ def _summary(run_: local.LocalRun, code: int) -> None:
         table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in val.items() if k not in ("batches", "epochs")))
     ckpts = st.get("checkpoints", [])
     table.add_row("checkpoints", f"{len(ckpts)}; latest {st.get('latest_checkpoint')} (step {st.get('latest_checkpoint_step')})")
-    tracking = run_.dir / "tracking-summary.json"
-    if tracking.exists():
-        summary = json.loads(tracking.read_text())
+    summary = run_.tracking_summary()
+    if summary is not None:
         for b in summary["backends"]:
             line = f"run {b['run_id']}: {b['delivered']} events delivered"
             if b["pending"]:
                 line += f", {b['pending']} waiting in {summary['journal']}"
             table.add_row(b["backend"], line)
     if code != 0:
-        table.add_row("last log lines", local.tail(run_.dir / "train.log"))
+        table.add_row("last log lines", local.tail(run_.log_file))
     if st["status"] != "finished":
         table.add_row("resume with", f"det-lab run {st['template']} --local --resume --run {st['name']}")
     console.print(table)

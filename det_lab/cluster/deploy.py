@@ -16,6 +16,9 @@
   ``images.postgres`` under the same container name, network and volume, with a working health
   check and a ``determined-db`` network alias, and waits until it is healthy.
 - **pkg_resources**: imported through :func:`det_lab.compat.import_deploy`.
+
+Determined's private names this module depends on (all of them; the trial layer's are in
+:mod:`det_lab.trials.harness`): :data:`DEPLOY_PRIVATE_NAMES`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +41,7 @@ from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensu
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.compat import import_deploy
 from det_lab.doctor import Check, run_checks
+from det_lab.net import http_answers
 from det_lab.settings import LabSettings
 
 Out = Callable[[str], None]
@@ -202,9 +205,15 @@ def _log_tail(client: Any, name: str) -> list[str]:
 
 # --- commands -------------------------------------------------------------------------------------
 
+#: (module, name, upstream line in determined 0.38.1, why): checked by tests/test_trials_harness.py
+DEPLOY_PRIVATE_NAMES = (
+    ("determined.deploy.local.cluster_utils", "_docker_client", "deploy/local/cluster_utils.py:60",
+     "the module-global docker client cluster_utils caches: made the one det_lab checked"),
+)
+
+
 def _shared_client(dep: ModuleType, client: Any) -> None:
-    # cluster_utils caches one module-global client; make it the one we checked
-    dep._docker_client = client
+    dep._docker_client = client  # DEPLOY_PRIVATE_NAMES
 
 
 def _guard_deploy_errors(action: str) -> contextlib.AbstractContextManager:
@@ -308,11 +317,7 @@ def cluster_containers(cluster: ClusterSettings, client: Any) -> list[ContainerS
 
 def master_answers(url: str, timeout: float = 3.0) -> tuple[bool, str]:
     """Whether ``url/info`` answers (plain HTTP, as det deploy local's health check)."""
-    try:
-        with urllib.request.urlopen(f"{url}/info", timeout=timeout) as resp:  # noqa: S310 (configured URL)
-            return True, f"HTTP {resp.status}"
-    except Exception as exc:
-        return False, str(getattr(exc, "reason", exc))
+    return http_answers(f"{url}/info", timeout)
 
 
 def container_logs(cluster: ClusterSettings, client: Any, tail: int = 50) -> Iterator[tuple[str, str]]:

@@ -286,16 +286,6 @@ class RlSupervisor:
         return outcome
 
 
-def work_dir_for(ctx: Any) -> Path:
-    """Where the child runs: the local run's directory, or ``<data root>/outputs/<project>/trials/<run key>``."""
-    ident = ctx.session.identity
-    if ident.run_dir is not None:
-        return Path(ident.run_dir) / "work"
-    from det_lab.volume import VolumeLayout
-
-    return VolumeLayout.from_settings(ctx.session.settings).outputs(ctx.session.lab.project) / "trials" / ident.run.key
-
-
 def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildCommand]], **kwargs: Any) -> Outcome:
     """Open det_lab's Core API context and run a command under :class:`RlSupervisor`.
 
@@ -305,5 +295,5 @@ def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildC
     import det_lab.core
 
     with det_lab.core.init() as ctx:
-        sup = RlSupervisor(ctx, work_dir_for(ctx), make_build(ctx), total_iterations=ctx.training_length.value, **kwargs)
+        sup = RlSupervisor(ctx, ctx.session.record.rl_work_dir, make_build(ctx), total_iterations=ctx.training_length.value, **kwargs)
         return sup.run()

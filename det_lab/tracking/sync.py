@@ -8,16 +8,13 @@ from pathlib import Path
 from det_lab.settings import LabSettings
 from det_lab.tracking.journal import Journal
 from det_lab.tracking.mirror import DeliverySummary, Mirror
+from det_lab.trials import record
 from det_lab.volume import VolumeLayout
 
 
 def find_journals(settings: LabSettings) -> Iterator[Path]:
-    """Every tracking journal on the volume (cluster trials and local runs)."""
-    layout = VolumeLayout.from_settings(settings)
-    for project in sorted(settings.projects):
-        out = layout.outputs(project)
-        yield from sorted(p.parent for p in out.glob("tracking-journal/*/run.json"))
-        yield from sorted(p.parent for p in out.glob("local-runs/*/tracking-journal/run.json"))
+    """Every tracking journal on the volume (cluster trials and local-style runs: their run records')."""
+    yield from record.find_journals(VolumeLayout.from_settings(settings), list(settings.projects))
 
 
 def pending(journal_dir: Path) -> int:

@@ -84,6 +84,11 @@ def lab_section(exp_conf: dict[str, Any], source: str = "experiment config") -> 
         raise ExpConfError(f"{source}: {key}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
+def project_of(exp_conf: dict[str, Any]) -> str:
+    """The det_lab project an experiment config names (``default`` when it names none)."""
+    return ((exp_conf.get("data") or {}).get("det_lab") or {}).get("project", "default")
+
+
 def training_length(exp_conf: dict[str, Any], lab: LabTrialConfig) -> Length:
     """How long to train: the searcher's ``max_time``/``time_metric`` (ASHA) or ``max_length``."""
     searcher = exp_conf.get("searcher") or {}
@@ -101,5 +106,6 @@ def period(exp_conf: dict[str, Any], key: str):
 
 
 def searcher_metric(exp_conf: dict[str, Any]) -> tuple[str | None, bool]:
+    """The searcher's metric name and whether smaller is better."""
     searcher = exp_conf.get("searcher") or {}
     return searcher.get("metric"), bool(searcher.get("smaller_is_better", True))

@@ -12,7 +12,6 @@ in the same tracker run.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import random
 import re
@@ -22,20 +21,20 @@ import subprocess
 import sys
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from det_lab import templates
 from det_lab.data.git import describe_commit
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import ExpConfError, lab_section, training_length
-from det_lab.trials.session import LOCAL_RUN_ENV
-from det_lab.volume import VolumeLayout, atomic_write_text
+from det_lab.trials.identity import LOCAL_RUN_ENV
+from det_lab.trials.lineage import CODE_COMMIT_ENV
+from det_lab.trials.record import LocalRunRecord, open_record
+from det_lab.volume import VolumeLayout
 
-TEMPLATES_ENV = "DET_LAB_TEMPLATES"
-ALIASES = {"3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
 DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
 
@@ -44,22 +43,14 @@ class RunError(RuntimeError):
     """A problem starting a local run, phrased as one line."""
 
 
-def templates_dir() -> Path:
-    env = os.environ.get(TEMPLATES_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "experiment_templates"
-
-
 def resolve_template(name: str) -> Path:
-    """A template name (``vla``, ``3dgs``) or a directory holding an experiment config."""
-    as_path = Path(name).expanduser()
-    if as_path.is_dir():
-        return as_path.resolve()
-    root = templates_dir()
-    candidate = root / ALIASES.get(name, name)
-    if candidate.is_dir():
-        return candidate
-    known = sorted(p.name for p in root.iterdir() if p.is_dir()) if root.is_dir() else []
-    raise RunError(f"no template or directory {name!r} (templates: {', '.join(known) or 'none'})")
+    """A template name (``vla``, ``3dgs``) or a directory holding an experiment config.
+
+    The one place the run path looks a template up (:func:`det_lab.templates.resolve`)."""
+    try:
+        return templates.resolve(name)
+    except templates.TemplateError as exc:
+        raise RunError(str(exc)) from None
 
 
 def load_config(template: Path, config: Path | None) -> tuple[Path, dict[str, Any]]:
@@ -122,42 +113,12 @@ def entry_command(entrypoint: str | list[str]) -> list[str]:
     return argv
 
 
-@dataclass
-class LocalRun:
-    """A local run's directory and state."""
-
-    dir: Path
-
-    @property
-    def state_file(self) -> Path:
-        return self.dir / "run.json"
-
-    def state(self) -> dict[str, Any]:
-        return json.loads(self.state_file.read_text())
-
-    def save(self, state: dict[str, Any]) -> None:
-        atomic_write_text(self.state_file, json.dumps(state, indent=2, default=str) + "\n")
-
-    def metrics(self) -> list[dict[str, Any]]:
-        path = self.dir / "metrics.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue  # a line being written right now
-        return out
-
-
-def runs_dir(settings: LabSettings, project: str) -> Path:
-    return VolumeLayout.from_settings(settings).outputs(project) / "local-runs"
-
-
 def prepare(settings: LabSettings, template: str, config: Path | None, resume: bool | str,
-            seed: int | None = None) -> tuple[LocalRun, Path, list[str]]:
-    """Create (or, with ``resume``, reopen) a local run; returns it, its cwd and its command."""
+            seed: int | None = None, record_cls: type[LocalRunRecord] = LocalRunRecord,
+            ) -> tuple[LocalRunRecord, Path, list[str]]:
+    """Create (or, with ``resume``, reopen) a local-style run of kind ``record_cls``; returns its
+    record, its cwd and its command. Checks that refuse a run belong before the staging
+    directory is made."""
     tdir = resolve_template(template)
     cfg_path, conf = load_config(tdir, config)
     try:
@@ -169,7 +130,7 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     layout = VolumeLayout.from_settings(settings)
     if not layout.outputs(lab.project).is_dir():
         raise RunError(f"{layout.outputs(lab.project)} does not exist: run 'det-lab init' (or set DET_LAB_DATA_ROOT)")
-    root = runs_dir(settings, lab.project)
+    root = record_cls.runs_root(layout, lab.project)
     root.mkdir(exist_ok=True)
     if resume:
         run = _find_run(root, tdir.name, None if resume is True else str(resume))
@@ -177,52 +138,58 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         if not state.get("latest_checkpoint"):
             raise RunError(f"run {state['name']} has no checkpoint yet to resume from; start a new run")
         state["resumed"] = state.get("resumed", 0) + 1
+        state.pop("trial_status", None)  # the resumed trial reports its own
         run.save(state)
         return run, Path(state["cwd"]), state["command"]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
     # the run directory appears complete (with its run.json) or not at all
-    staging = LocalRun(root / f".{name}.tmp")
+    staging = record_cls(root / f".{name}.tmp")
     staging.dir.mkdir()
     seed = seed if seed is not None else (conf.get("reproducibility") or {}).get("experiment_seed", 0)
     rng = random.Random(seed)
     command = entry_command(conf.get("entrypoint") or "")
     staging.save({
-        "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path.resolve()),
+        "kind": record_cls.kind, "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path.resolve()),
         "cwd": str(tdir), "command": command, "exp_conf": conf,
         "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
         "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
         "seed": seed, "latest_checkpoint": None, "checkpoints": [], "created": stamp,
     })
-    run = LocalRun(root / name)
+    run = record_cls(root / name)
     staging.dir.rename(run.dir)
     return run, tdir, command
 
 
-def _find_run(root: Path, template: str, name: str | None) -> LocalRun:
+def _find_run(root: Path, template: str, name: str | None) -> LocalRunRecord:
     if name:
-        run = LocalRun(root / name)
-        if not run.state_file.is_file():
+        if not (root / name / "run.json").is_file():
             raise RunError(f"no local run named {name!r} under {root}")
-        return run
+        return open_record(root / name)
     candidates = sorted((p for p in root.glob(f"{template}-*") if (p / "run.json").is_file()),
                         key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise RunError(f"no earlier local run of {template!r} under {root} to resume")
-    return LocalRun(candidates[-1])
+    return open_record(candidates[-1])
 
 
-def launch(run: LocalRun, cwd: Path, command: list[str], settings: LabSettings) -> subprocess.Popen:
-    """Start the trial process; its output goes to ``train.log`` in the run directory."""
-    env = {**os.environ, LOCAL_RUN_ENV: str(run.state_file), "PYTHONUNBUFFERED": "1",
+def trial_env(run: LocalRunRecord, cwd: Path, settings: LabSettings) -> dict[str, str]:
+    """The environment a local-style run's trial process starts with."""
+    env = {**os.environ, LOCAL_RUN_ENV: str(run.run_file), "PYTHONUNBUFFERED": "1",
            "DET_LAB_DATA_ROOT": str(settings.data_root)}
     if settings.source is not None:
         env["DET_LAB_CONFIG"] = str(settings.source)
     commit = describe_commit(cwd)
     if commit:
-        env["DET_LAB_CODE_COMMIT"] = commit
-    log = open(run.dir / "train.log", "ab")
-    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env[CODE_COMMIT_ENV] = commit
+    return env
+
+
+def launch(run: LocalRunRecord, cwd: Path, command: list[str], settings: LabSettings) -> subprocess.Popen:
+    """Start the trial process; its output goes to the run's ``train.log``."""
+    log = open(run.log_file, "ab")
+    return subprocess.Popen(command, cwd=cwd, env=trial_env(run, cwd, settings), stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_gracefully(proc: subprocess.Popen, timeout: float = 120.0) -> int:
@@ -236,25 +203,15 @@ def stop_gracefully(proc: subprocess.Popen, timeout: float = 120.0) -> int:
         return proc.wait()
 
 
-def record_exit(run: LocalRun, code: int) -> str:
-    """Store how the trial process ended in ``run.json``: finished, stopped (resumable) or failed."""
+def record_exit(run: LocalRunRecord, code: int) -> str:
+    """Store how the trial process ended in ``run.json``: finished, stopped (resumable) or failed.
+
+    Finished only when the trial itself said so (``trial_status`` FINISHED: it trained to the end
+    and was not stopped early), whatever unit its length is in."""
     state = run.state()
-    step, _ = progress_of(run)
-    status = "finished" if code == 0 and step >= state["max_length"] - 1 else "stopped" if code == 0 else "failed"
-    state.update(status=status, exit_code=code)
-    run.save(state)
+    status = "failed" if code != 0 else "finished" if state.get("trial_status") == "FINISHED" else "stopped"
+    run.update(status=status, exit_code=code)
     return status
-
-
-def progress_of(run: LocalRun) -> tuple[int, dict[str, float]]:
-    """Latest training step reported, and the latest validation metrics."""
-    step, val = 0, {}
-    for m in run.metrics():
-        if m["group"] == "training":
-            step = max(step, m["step"])
-        elif m["group"] == "validation":
-            val = m["metrics"]
-    return step, val
 
 
 def tail(path: Path, lines: int = 15) -> str:
@@ -264,7 +221,7 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
-def wait_with_progress(proc: subprocess.Popen, run: LocalRun, show: bool) -> int:
+def wait_with_progress(proc: subprocess.Popen, run: LocalRunRecord, show: bool) -> int:
     """Wait for the trial, drawing a progress bar from its metrics; Ctrl-C stops it gracefully."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -276,7 +233,7 @@ def wait_with_progress(proc: subprocess.Popen, run: LocalRun, show: bool) -> int
         try:
             while proc.poll() is None:
                 time.sleep(0.5)
-                step, val = progress_of(run)
+                step, val = run.progress()
                 desc = f"training {state['name']}" + "".join(f"  {k}={v:.4g}" for k, v in list(val.items())[:2])
                 bar.update(task, completed=step, description=desc)
         except KeyboardInterrupt:
@@ -286,6 +243,6 @@ def wait_with_progress(proc: subprocess.Popen, run: LocalRun, show: bool) -> int
             except KeyboardInterrupt:
                 proc.kill()
                 return proc.wait()
-        step, _ = progress_of(run)
+        step, _ = run.progress()
         bar.update(task, completed=step)
     return proc.returncode

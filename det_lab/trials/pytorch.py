@@ -23,9 +23,10 @@ from determined import pytorch
 
 from det_lab.core import local_checkpoint_dir
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.expconf import lab_section, period, training_length
-from det_lab.trials.session import LabSession, current_trial
-from det_lab.trials.shims import allow_harness_unpickling, harness_shims, tensorboard_available
+from det_lab.trials.expconf import lab_section, period
+from det_lab.trials.harness import allow_harness_unpickling, core_context_of, harness_shims, tensorboard_available
+from det_lab.trials.identity import read_identity
+from det_lab.trials.session import LabSession
 from det_lab.trials.surface import TrialSurface
 
 log = logging.getLogger("det_lab.trials")
@@ -38,14 +39,15 @@ class LabPyTorchTrial(TrialSurface, pytorch.PyTorchTrial):
 
     def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
         global _current
-        if _current is not None and _current.core is context._core:
+        core = core_context_of(context)
+        if _current is not None and _current.core is core:
             self.session = _current
         else:  # built by Determined's own harness (module:Class entrypoint)
             allow_harness_unpickling()
-            identity = current_trial(context.get_experiment_config(), context.get_hparams())
-            self.session = LabSession(load_settings(), identity, context._core).start()
+            identity = read_identity(context.get_experiment_config(), context.get_hparams())
+            self.session = LabSession(load_settings(), identity, core).start()
             _current = self.session
-            atexit.register(self.session.close, "FINISHED")
+            atexit.register(self.session.close_at_exit)
         self.context = context
 
 
@@ -59,7 +61,7 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
     """
     global _current
     settings = settings or load_settings()
-    identity = current_trial(exp_conf, hparams)
+    identity = read_identity(exp_conf, hparams)
     conf = identity.exp_conf
     lab = lab_section(conf)
     ckpt = None if identity.on_cluster else local_checkpoint_dir(settings, lab.project)
@@ -67,12 +69,12 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
     with harness_shims(ckpt, [settings.data_root]):
         with pytorch.init(hparams=identity.hparams, exp_conf=conf,
                           enable_tensorboard_logging=tensorboard_available()) as ctx:
-            session = LabSession(settings, identity, ctx._core, lab).start()
+            session = LabSession(settings, identity, core_context_of(ctx), lab).start()
             _current = session
             try:
                 trial = trial_cls(ctx)
                 fit_args: dict[str, Any] = dict(
-                    max_length=training_length(conf, lab).unit(),
+                    max_length=session.training_length.unit(),
                     validation_period=period(conf, "min_validation_period"),
                     checkpoint_period=period(conf, "min_checkpoint_period"),
                     latest_checkpoint=identity.latest_checkpoint,

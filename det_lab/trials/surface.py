@@ -15,6 +15,7 @@ uses the same names whichever way it trains:
 ``lineage``            what each checkpoint records: versions, host, code commit, dataset
 ``latest_checkpoint``  the checkpoint to resume from, or None
 ``identity``           who this trial is: run key, tracker run name, project, cluster or not
+``volume``             the shared volume's layout (``volume.outputs(lab.project)``: caches shared by trials)
 =====================  ==============================================================
 """
 
@@ -23,11 +24,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from det_lab.volume import VolumeLayout
+
 if TYPE_CHECKING:
     from det_lab.data import PulledDataset
     from det_lab.tracking import Mirror
     from det_lab.tracking.null_mirror import NullMirror
     from det_lab.trials.expconf import LabTrialConfig, Length
+    from det_lab.trials.identity import TrialIdentity
     from det_lab.trials.session import LabSession
 
 
@@ -77,5 +81,9 @@ class TrialSurface:
         return self.session.identity.latest_checkpoint
 
     @property
-    def identity(self) -> Any:
+    def identity(self) -> TrialIdentity:
         return self.session.identity
+
+    @property
+    def volume(self) -> VolumeLayout:
+        return VolumeLayout.from_settings(self.session.settings)

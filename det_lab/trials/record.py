@@ -1,0 +1,231 @@
+"""A trial's run record: every per-trial path and file format, in one place.
+
+Whoever reads or writes a trial's files goes through a :class:`RunRecord`: the trial process
+(:class:`det_lab.trials.session.LabSession`), ``det-lab run``, the notebooks, ``det-lab tracking
+sync`` and the RL supervisor. Twins, chosen once where the trial starts (:func:`record_for`):
+
+- :class:`LocalRunRecord`: a ``det-lab run --local`` run. Its directory
+  ``<data root>/outputs/<project>/local-runs/<name>/`` holds ``run.json`` (state: config,
+  hyperparameters, checkpoints, outcome), ``train.log``, ``metrics.jsonl`` (every metric group
+  reported), ``tracking-summary.json`` (what the mirror delivered), ``tracking-journal/``, the
+  RL supervisor's ``work/`` and the trial's outputs.
+- :class:`ClusterRunRecord`: a trial run by a Determined master, which keeps its state, metrics
+  and checkpoints itself. On the volume: ``<data root>/outputs/<project>/trials/<run key>/``
+  (outputs, ``work/``, ``tracking-summary.json``); the journal at
+  ``<data root>/outputs/<project>/tracking-journal/<run key>/``.
+
+A new scheduler that runs trials through Determined's harness off-cluster (Slurm) is a
+local-style record: subclass :class:`LocalRunRecord`, set ``kind`` and ``runs_dirname``, extend
+:meth:`RunRecord.tracker_tags`/:meth:`RunRecord.lineage_extras`, and :func:`register` it;
+``run.json``'s ``kind`` then selects it everywhere (:func:`open_record`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, ClassVar
+
+from det_lab.tracking.events import numeric
+from det_lab.volume import VolumeLayout, atomic_write_text
+
+RUN_FILE = "run.json"
+LOG_FILE = "train.log"
+METRICS_FILE = "metrics.jsonl"
+TRACKING_SUMMARY_FILE = "tracking-summary.json"
+JOURNAL_DIR = "tracking-journal"
+WORK_DIR = "work"
+
+
+class RunRecord:
+    """The files of one trial under ``dir`` (see the module docstring)."""
+
+    kind: ClassVar[str] = ""
+    #: whether det_lab keeps the trial's state and metrics (a Determined master keeps its own)
+    keeps_progress: ClassVar[bool] = True
+
+    def __init__(self, directory: Path) -> None:
+        self.dir = Path(directory)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({str(self.dir)!r})"
+
+    # --- paths ---------------------------------------------------------------------------------------
+
+    @property
+    def run_file(self) -> Path:
+        return self.dir / RUN_FILE
+
+    @property
+    def log_file(self) -> Path:
+        return self.dir / LOG_FILE
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.dir / METRICS_FILE
+
+    @property
+    def tracking_summary_file(self) -> Path:
+        return self.dir / TRACKING_SUMMARY_FILE
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.dir / JOURNAL_DIR
+
+    @property
+    def rl_work_dir(self) -> Path:
+        """Where the RL supervisor runs its training command (its ``logs/`` tree lives there)."""
+        return self.dir / WORK_DIR
+
+    @property
+    def outputs_dir(self) -> Path:
+        """Where the trial writes anything besides checkpoints (renders, exported policies)."""
+        return self.dir
+
+    # --- state ---------------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        return json.loads(self.run_file.read_text())
+
+    def save(self, state: dict[str, Any]) -> None:
+        atomic_write_text(self.run_file, json.dumps(state, indent=2, default=str) + "\n")
+
+    def update(self, **changes: Any) -> dict[str, Any]:
+        state = {**self.state(), **changes}
+        self.save(state)
+        return state
+
+    def metrics(self) -> list[dict[str, Any]]:
+        """Every ``{"group", "step", "metrics"}`` reported so far (a line being written is skipped)."""
+        try:
+            text = self.metrics_file.read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+        return out
+
+    def progress(self) -> tuple[int, dict[str, float]]:
+        """Latest training step reported, and the latest validation metrics."""
+        step, val = 0, {}
+        for m in self.metrics():
+            if m["group"] == "training":
+                step = max(step, m["step"])
+            elif m["group"] == "validation":
+                val = m["metrics"]
+        return step, val
+
+    def tracking_summary(self) -> dict[str, Any] | None:
+        try:
+            return json.loads(self.tracking_summary_file.read_text())
+        except FileNotFoundError:
+            return None
+
+    # --- written by the trial's chief process --------------------------------------------------------
+
+    def append_metrics(self, group: str, step: int, metrics: dict[str, Any]) -> None:
+        if self.keeps_progress:
+            line = {"group": group, "step": int(step), "metrics": numeric(metrics)}
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(line) + "\n")
+
+    def add_checkpoint(self, uuid: str, step: int) -> None:
+        """A complete checkpoint: it becomes the latest only now."""
+        if self.keeps_progress:
+            state = self.state()
+            state.update(latest_checkpoint=uuid, latest_checkpoint_step=step)
+            state.setdefault("checkpoints", []).append({"uuid": uuid, "step": step})
+            self.save(state)
+
+    def record_outcome(self, status: str, summary: dict[str, Any] | None) -> None:
+        """How the trial ended (FINISHED, KILLED when stopped early, FAILED) and what the mirror delivered."""
+        if summary is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.tracking_summary_file,
+                              json.dumps({**summary, "status": status}, indent=2, default=str) + "\n")
+        if self.keeps_progress:
+            self.update(trial_status=status)
+
+    # --- what the trial's tracker run and lineage carry ----------------------------------------------
+
+    def tracker_tags(self) -> dict[str, str]:
+        return {}
+
+    def lineage_extras(self) -> dict[str, Any]:
+        return {}
+
+
+class LocalRunRecord(RunRecord):
+    """A ``det-lab run --local`` run: ``<data root>/outputs/<project>/local-runs/<name>/``."""
+
+    kind = "local"
+    runs_dirname: ClassVar[str] = "local-runs"
+
+    @classmethod
+    def runs_root(cls, layout: VolumeLayout, project: str) -> Path:
+        return layout.outputs(project) / cls.runs_dirname
+
+    def tracker_tags(self) -> dict[str, str]:
+        return {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
+
+
+class ClusterRunRecord(RunRecord):
+    """A trial run by a Determined master (or a bare ``det_lab.core.init`` outside any run)."""
+
+    kind = "cluster"
+    keeps_progress = False
+
+    def __init__(self, layout: VolumeLayout, project: str, run_key: str) -> None:
+        super().__init__(layout.outputs(project) / "trials" / run_key)
+        self._journal = layout.outputs(project) / JOURNAL_DIR / run_key
+
+    @property
+    def journal_dir(self) -> Path:
+        return self._journal
+
+    @classmethod
+    def journals(cls, layout: VolumeLayout, project: str) -> list[Path]:
+        return sorted(p.parent for p in (layout.outputs(project) / JOURNAL_DIR).glob(f"*/{RUN_FILE}"))
+
+
+_KINDS: dict[str, type[LocalRunRecord]] = {LocalRunRecord.kind: LocalRunRecord}
+
+
+def register(cls: type[LocalRunRecord]) -> type[LocalRunRecord]:
+    """Make a local-style record kind known to :func:`open_record` and :func:`iter_records`."""
+    _KINDS[cls.kind] = cls
+    return cls
+
+
+def open_record(directory: Path) -> LocalRunRecord:
+    """The record of an existing local-style run directory, of the kind its ``run.json`` names."""
+    kind = json.loads((Path(directory) / RUN_FILE).read_text()).get("kind", LocalRunRecord.kind)
+    return _KINDS.get(kind, LocalRunRecord)(Path(directory))
+
+
+def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
+    """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
+    dirs = {p.parent for cls in set(_KINDS.values())
+            for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
+            if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
+    for d in sorted(dirs, key=lambda p: p.stat().st_mtime):
+        yield open_record(d)
+
+
+def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
+    """Every tracking journal on the volume: cluster trials' and local-style runs'."""
+    for project in sorted(projects):
+        yield from ClusterRunRecord.journals(layout, project)
+        yield from sorted(r.journal_dir for r in iter_records(layout, project) if (r.journal_dir / RUN_FILE).is_file())
+
+
+def record_for(layout: VolumeLayout, project: str, run_key: str, record_dir: Path | None) -> RunRecord:
+    """The record twin of a starting trial: its local-style run's, else the cluster one."""
+    if record_dir is not None:
+        return open_record(record_dir)
+    return ClusterRunRecord(layout, project, run_key)

@@ -1,0 +1,238 @@
+"""Each concern of the trial layer on its own, against Determined's off-cluster (dummy) Core API
+contexts: identity, run record, session, null mirror, the one user-facing surface, and how a
+local run's outcome is recorded. No subprocess, no server: seconds."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import signal
+import sys
+from pathlib import Path
+
+import determined as det
+import pytest
+import yaml
+
+from det_lab.settings import LabSettings, TrackingSettings
+from det_lab.tracking.mirror import Mirror
+from det_lab.tracking.null_mirror import NullMirror
+from det_lab.trials import local, record
+from det_lab.trials.identity import LOCAL_RUN_ENV, read_identity
+from det_lab.trials.session import LabSession
+from det_lab.volume import VolumeLayout, init_volume
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def lab(tmp_path: Path) -> LabSettings:
+    settings = LabSettings(data_root=tmp_path / "volume", tracking=TrackingSettings(backend="none"))
+    init_volume(settings)
+    return settings
+
+
+def make_template(tmp_path: Path, max_length: dict) -> Path:
+    tdir = tmp_path / "tpl"
+    tdir.mkdir()
+    (tdir / "const.yaml").write_text(yaml.safe_dump({
+        "name": "unit", "entrypoint": "python3 train.py",
+        "hyperparameters": {"lr": 0.1, "opt": {"type": "categorical", "vals": ["sgd"]}},
+        "data": {"det_lab": {"project": "vla", "max_length": max_length}},
+    }))
+    return tdir
+
+
+@pytest.fixture
+def local_run(lab, tmp_path, monkeypatch):
+    """A prepared local run whose trial is this test process."""
+    run, _cwd, _command = local.prepare(lab, str(make_template(tmp_path, {"epochs": 2})), None, False)
+    monkeypatch.setenv(LOCAL_RUN_ENV, str(run.run_file))
+    monkeypatch.delenv("DET_LAB_CODE_COMMIT", raising=False)
+    return run
+
+
+@pytest.fixture
+def session(lab, local_run, tmp_path):
+    previous = signal.getsignal(signal.SIGTERM)
+    with det.core.init(checkpoint_storage=str(tmp_path / "ckpt")) as core:
+        s = LabSession(lab, read_identity(), core).start()
+        yield s
+    signal.signal(signal.SIGTERM, previous)
+
+
+def checkpoint(core, step: int) -> str:
+    with core.checkpoint.store_path({"steps_completed": step}) as (path, storage_id):
+        (path / "w").write_text(str(step))
+    return storage_id
+
+
+# --- identity ----------------------------------------------------------------------------------------
+
+
+def test_identity_of_a_local_run_is_read_from_its_record(local_run):
+    ident = read_identity()
+    state = local_run.state()
+    assert (ident.run.key, ident.project, ident.on_cluster) == (state["run_key"], "vla", False)
+    assert ident.record_dir == local_run.dir and ident.hparams == {"lr": 0.1, "opt": "sgd"}
+    assert ident.run.experiment == "det_lab/vla"
+    assert ident.run.tags == {"det.local_run": local_run.dir.name, "det.local_run_dir": str(local_run.dir)}
+
+
+def test_identity_outside_any_run_needs_a_config(monkeypatch):
+    monkeypatch.delenv(LOCAL_RUN_ENV, raising=False)
+    with pytest.raises(RuntimeError, match="det-lab run <template> --local"):
+        read_identity()
+    ident = read_identity({"name": "nb", "data": {"det_lab": {"project": "3dgs"}}}, {"a": 1})
+    assert (ident.run.key, ident.project, ident.record_dir) == ("local-nb", "3dgs", None)
+
+
+# --- run record --------------------------------------------------------------------------------------
+
+
+def test_local_record_paths_and_formats(local_run, lab):
+    layout = VolumeLayout.from_settings(lab)
+    assert local_run.dir.parent == layout.outputs("vla") / "local-runs"
+    assert local_run.state()["kind"] == "local" and local_run.state()["max_length_unit"] == "epochs"
+    local_run.append_metrics("training", 3, {"loss": 1.5, "note": "text is not a metric"})
+    with open(local_run.metrics_file, "a") as f:
+        f.write('{"group": "training", "st')  # a line being written right now
+    assert local_run.metrics() == [{"group": "training", "step": 3, "metrics": {"loss": 1.5}}]
+    assert local_run.progress() == (3, {})
+    assert (local_run.journal_dir, local_run.rl_work_dir, local_run.outputs_dir) == (
+        local_run.dir / "tracking-journal", local_run.dir / "work", local_run.dir)
+
+
+def test_cluster_record_keeps_no_progress_of_its_own(lab):
+    layout = VolumeLayout.from_settings(lab)
+    rec = record.record_for(layout, "vla", "det-c-e1-t2", None)
+    assert isinstance(rec, record.ClusterRunRecord)
+    assert rec.outputs_dir == layout.outputs("vla") / "trials" / "det-c-e1-t2"
+    assert rec.rl_work_dir == rec.outputs_dir / "work"
+    assert rec.journal_dir == layout.outputs("vla") / "tracking-journal" / "det-c-e1-t2"
+    rec.append_metrics("training", 1, {"loss": 1.0})
+    rec.add_checkpoint("abc", 1)
+    assert not rec.dir.exists()  # Determined's master keeps those
+
+
+class SlurmLikeRecord(record.LocalRunRecord):
+    """How a new local-style twin slots in: a kind, a runs directory, its own tags and lineage."""
+
+    kind = "slurm-test"
+    runs_dirname = "slurm-test-runs"
+
+    def tracker_tags(self):
+        return {**super().tracker_tags(), "slurm.job_id": self.state()["job_id"]}
+
+    def lineage_extras(self):
+        return {"slurm_job_id": self.state()["job_id"]}
+
+
+def test_a_new_twin_is_found_by_every_reader(lab, tmp_path, monkeypatch):
+    monkeypatch.setitem(record._KINDS, SlurmLikeRecord.kind, SlurmLikeRecord)
+    run, _cwd, _cmd = local.prepare(lab, str(make_template(tmp_path, {"batches": 5})), None, False,
+                                    record_cls=SlurmLikeRecord)
+    run.update(job_id="4242")
+    (run.journal_dir).mkdir()
+    (run.journal_dir / "run.json").write_text("{}")
+    layout = VolumeLayout.from_settings(lab)
+    (layout.outputs("vla") / "slurm-test-runs" / ".half-made.tmp").mkdir()  # a run being created
+    assert [type(r) for r in record.iter_records(layout, "vla")] == [SlurmLikeRecord]
+    assert list(record.find_journals(layout, ["vla"])) == [run.journal_dir]
+    monkeypatch.setenv(LOCAL_RUN_ENV, str(run.run_file))
+    assert read_identity().run.tags["slurm.job_id"] == "4242"
+
+
+# --- session -----------------------------------------------------------------------------------------
+
+
+def test_session_records_metrics_and_complete_checkpoints(session, local_run):
+    core = session.core
+    core.train.report_training_metrics(4, {"loss": 0.5})
+    core.train.report_validation_metrics(4, {"val_loss": 0.4})
+    storage_id = checkpoint(core, 4)
+    state = local_run.state()
+    assert state["latest_checkpoint"] == storage_id and state["checkpoints"] == [{"uuid": storage_id, "step": 4}]
+    assert local_run.progress() == (4, {"val_loss": 0.4})
+    assert session.lineage["run_key"] == state["run_key"] and "python" in session.lineage
+
+
+def test_sigterm_stops_a_run_that_then_does_not_count_as_finished(session, local_run):
+    """An epoch-based max_length (2 epochs) and 2+ batches reported: still stopped, not finished."""
+    core = session.core
+    core.train.report_training_metrics(5, {"loss": 0.5})
+    assert core.preempt.should_preempt() is False
+    signal.raise_signal(signal.SIGTERM)
+    assert core.preempt.should_preempt() is True
+    checkpoint(core, 5)
+    session.close("FINISHED")  # the loop returned normally after the preemption
+    assert local_run.state()["trial_status"] == "KILLED"
+    assert local.record_exit(local_run, 0) == "stopped"
+    assert local_run.state()["status"] == "stopped"
+
+
+def test_a_trial_that_ends_normally_is_finished(session, local_run):
+    session.core.train.report_training_metrics(1, {"loss": 0.5})
+    session.close("FINISHED")
+    assert local.record_exit(local_run, 0) == "finished"
+    assert local.record_exit(local_run, 1) == "failed"
+
+
+def test_legacy_trial_crashing_is_recorded_failed_at_exit(session, local_run, monkeypatch):
+    monkeypatch.setattr(sys, "last_value", RuntimeError("boom"), raising=False)
+    session.close_at_exit()
+    assert local_run.state()["trial_status"] == "FAILED"
+    assert session.record.tracking_summary()["status"] == "FAILED"
+
+
+def test_resume_clears_the_previous_outcome(lab, local_run, tmp_path):
+    local_run.update(latest_checkpoint="abc", trial_status="KILLED")
+    run, _cwd, _cmd = local.prepare(lab, str(tmp_path / "tpl"), None, True)
+    assert run.dir == local_run.dir and "trial_status" not in run.state() and run.state()["resumed"] == 1
+
+
+# --- null mirror and surface -------------------------------------------------------------------------
+
+
+def test_null_mirror_has_the_mirrors_api():
+    public = {n for n, _ in inspect.getmembers(Mirror, inspect.isfunction) if not n.startswith("_")}
+    assert public == {n for n, _ in inspect.getmembers(NullMirror, inspect.isfunction) if not n.startswith("_")}
+    for name in public:
+        assert list(inspect.signature(getattr(Mirror, name)).parameters) == \
+            list(inspect.signature(getattr(NullMirror, name)).parameters), name
+    null = NullMirror()
+    null.log_artifact("x.png", "renders/x", 1, media="image")
+    assert null.flush() is True and null.close("FAILED") is None
+
+
+class NonChief(det.core.DummyDistributedContext):
+    @property
+    def rank(self) -> int:
+        return 1
+
+    @rank.setter
+    def rank(self, value: int) -> None:
+        pass
+
+
+def test_non_chief_ranks_get_a_null_mirror_and_write_no_record(lab, local_run, tmp_path):
+    with det.core.init(checkpoint_storage=str(tmp_path / "ckpt"), distributed=NonChief()) as core:
+        s = LabSession(lab, read_identity(), core).start()
+        assert isinstance(s.mirror, NullMirror)
+        core.train.report_training_metrics(1, {"loss": 1.0})
+        s.close("FINISHED")
+    assert local_run.metrics() == [] and "trial_status" not in local_run.state()
+
+
+def test_both_trial_kinds_offer_the_same_surface_and_templates_use_only_it():
+    from det_lab.core import LabContext
+    from det_lab.trials.pytorch import LabPyTorchTrial
+    from det_lab.trials.surface import TrialSurface
+
+    names = {n for n, v in vars(TrialSurface).items() if isinstance(v, property)}
+    assert {"dataset_path", "training_length", "outputs_dir", "mirror", "lineage", "hparams",
+            "latest_checkpoint", "dataset"} <= names
+    for cls in (LabContext, LabPyTorchTrial):
+        assert issubclass(cls, TrialSurface) and all(getattr(cls, n) is getattr(TrialSurface, n) for n in names)
+    for train in REPO.glob("experiment_templates/*/train.py"):
+        assert not re.search(r"\.session\b", train.read_text()), f"{train} reaches into the session"
