@@ -5,10 +5,12 @@
         view.R, view.t, view.K, view.image   # world-to-camera pose, intrinsics, HxWx3 float32
 
 Poses follow COLMAP: ``x_cam = R @ x_world + t`` with x right, y down, z forward, and pixel
-centres at ``(col + 0.5, row + 0.5)``. Lens distortion of SIMPLE_RADIAL, RADIAL, OPENCV and the
-other distorted models is parsed but *not applied*: 3DGS trainers expect undistorted images
-(``colmap image_undistorter``, or the Inria ``convert.py``), whose model is PINHOLE. A model
-with non-zero distortion logs a warning once per camera.
+centres at ``(col + 0.5, row + 0.5)``. Every COLMAP camera model parses (ids 0-17, as in
+COLMAP's ``src/colmap/sensor/models.h``), but only the pinhole part is used: 3DGS trainers
+expect undistorted images (``colmap image_undistorter``, or the Inria ``convert.py``), whose
+model is PINHOLE. The rule: a camera whose model departs from a pinhole (non-zero distortion,
+FOV's omega, or a fisheye projection) logs a warning once per camera; a camera without a
+pinhole part (EQUIRECTANGULAR) is refused when a scene is loaded.
 
 Every problem with a model raises :class:`ColmapError` (a ``ValueError``) whose message is one
 line naming the file and what is wrong with it.
@@ -28,6 +30,8 @@ log = logging.getLogger("det_lab.scenes")
 
 __all__ = [
     "CAMERA_MODELS",
+    "FISHEYE_MODELS",
+    "SPHERICAL_MODELS",
     "Camera",
     "ColmapError",
     "ColmapImage",
@@ -58,7 +62,20 @@ CAMERA_MODELS: dict[int, tuple[str, tuple[str, ...]]] = {
     8: ("SIMPLE_RADIAL_FISHEYE", ("f", "cx", "cy", "k")),
     9: ("RADIAL_FISHEYE", ("f", "cx", "cy", "k1", "k2")),
     10: ("THIN_PRISM_FISHEYE", ("fx", "fy", "cx", "cy", "k1", "k2", "p1", "p2", "k3", "k4", "sx1", "sy1")),
+    11: ("RAD_TAN_THIN_PRISM_FISHEYE", ("fx", "fy", "cx", "cy", "k0", "k1", "k2", "k3", "k4", "k5",
+                                        "p0", "p1", "s0", "s1", "s2", "s3")),
+    12: ("SIMPLE_DIVISION", ("f", "cx", "cy", "k")),
+    13: ("DIVISION", ("fx", "fy", "cx", "cy", "k")),
+    14: ("SIMPLE_FISHEYE", ("f", "cx", "cy")),
+    15: ("FISHEYE", ("fx", "fy", "cx", "cy")),
+    16: ("EUCM", ("fx", "fy", "cx", "cy", "alpha", "beta")),
+    17: ("EQUIRECTANGULAR", ("w", "h")),  # spherical: no focal length, no principal point
 }
+# projections that are not a pinhole even with all distortion parameters zero (COLMAP's
+# PERSPECTIVE_FISHEYE_CAMERA_MODEL_CASES), and those that have no pinhole part at all
+FISHEYE_MODELS = frozenset({"OPENCV_FISHEYE", "SIMPLE_RADIAL_FISHEYE", "RADIAL_FISHEYE", "THIN_PRISM_FISHEYE",
+                            "RAD_TAN_THIN_PRISM_FISHEYE", "SIMPLE_FISHEYE", "FISHEYE"})
+SPHERICAL_MODELS = frozenset({"EQUIRECTANGULAR"})
 _MODEL_IDS = {name: mid for mid, (name, _) in CAMERA_MODELS.items()}
 _FILES = ("cameras", "images", "points3D")
 
@@ -79,6 +96,10 @@ class Camera:
 
     @property
     def focal(self) -> tuple[float, float]:
+        """Focal lengths in pixels; a :class:`ColmapError` for a spherical model, which has none."""
+        if self.model in SPHERICAL_MODELS:
+            raise ColmapError(f"camera {self.id} is {self.model}, a spherical model without focal length: "
+                              "3DGS needs perspective images (convert them to PINHOLE, e.g. cube maps)")
         p = self.param_dict
         return (p["f"], p["f"]) if "f" in p else (p["fx"], p["fy"])
 
@@ -96,7 +117,21 @@ class Camera:
     @property
     def distortion(self) -> dict[str, float]:
         """The parameters that are not focal length or principal point (ignored by 3DGS)."""
+        if self.model in SPHERICAL_MODELS:
+            return {}
         return {k: v for k, v in self.param_dict.items() if k not in ("f", "fx", "fy", "cx", "cy")}
+
+    @property
+    def ignored(self) -> str | None:
+        """What treating this camera as a pinhole ignores, or None where it is a pinhole."""
+        if self.model in SPHERICAL_MODELS:
+            return "its spherical projection (it has no pinhole intrinsics)"
+        distortion = {k: v for k, v in self.distortion.items() if v != 0}
+        if self.model == "EUCM" and self.param_dict["alpha"] == 0:
+            distortion = {}  # beta only matters with alpha != 0; alpha = 0 is the pinhole
+        if self.model in FISHEYE_MODELS:
+            return f"its fisheye projection and distortion {distortion}" if distortion else "its fisheye projection"
+        return f"its distortion {distortion}" if distortion else None
 
 
 @dataclass(frozen=True)
@@ -249,9 +284,9 @@ def read_model(sparse_dir: str | Path, fmt: Literal["auto", "text", "binary"] = 
             raise ColmapError(f"{sparse / ('points3D' + ext)}: point {pid} is tracked in unknown image(s) "
                               f"{sorted(unknown)[:5]}")
     for cam in cameras.values():
-        if any(abs(v) > 0 for v in cam.distortion.values()) and cam.model != "FOV":
-            log.warning("%s: camera %d is %s; its distortion %s is ignored (undistort the images for 3DGS)",
-                        sparse, cam.id, cam.model, cam.distortion)
+        if cam.ignored and cam.model not in SPHERICAL_MODELS:  # spherical: refused by load_scene
+            log.warning("%s: camera %d is %s; %s is ignored (undistort the images for 3DGS: "
+                        "colmap image_undistorter)", sparse, cam.id, cam.model, cam.ignored)
     return ColmapModel(sparse, fmt, cameras, images, points)
 
 
@@ -481,6 +516,11 @@ def load_scene(root: str | Path, images: str = "images", sparse: str = "sparse/0
     model = read_model(root / sparse, fmt)
     image_dir = root / images
     views = []
+    cameras_file = model.path / ("cameras.bin" if model.format == "binary" else "cameras.txt")
+    for cam in model.cameras.values():
+        if cam.model in SPHERICAL_MODELS and any(im.camera_id == cam.id for im in model.images.values()):
+            raise ColmapError(f"{cameras_file}: camera {cam.id} is {cam.model}, a spherical model: 3DGS needs "
+                              "perspective images (reproject them to PINHOLE, e.g. as cube-map faces)")
     for im in sorted(model.images.values(), key=lambda i: i.name):
         cam = model.cameras[im.camera_id]
         file = image_dir / im.name

@@ -25,7 +25,7 @@ from rasterizer import Camera, make_rasterizer
 from step import TrainStep, render
 
 import det_lab.core
-from det_lab.scenes import Scene, load_scene
+from det_lab.scenes import Scene, load_scene, render_keys
 
 log = logging.getLogger("3dgs")
 
@@ -34,7 +34,7 @@ class Views:
     """A scene's views as tensors on the training device."""
 
     def __init__(self, scene: Scene, device: torch.device, test_every: int) -> None:
-        self.names = [Path(v.name).stem for v in scene.views]
+        self.names = render_keys([v.name for v in scene.views])  # cam0/0001.png -> cam0/0001: rigs keep apart
         self.images = [torch.tensor(v.image, device=device) for v in scene.views]
         self.cameras = [Camera(torch.tensor(v.viewmat, dtype=torch.float32, device=device),
                                torch.tensor(v.K, dtype=torch.float32, device=device), v.width, v.height)
