@@ -99,3 +99,28 @@ def list_(ctx: typer.Context) -> None:
                       human_bytes(int(settings.projects[lst.project].quota)),
                       "\n".join(sorted(lst.registered)) or "-", snaps)
     console.print(table)
+
+
+@app.command("import")
+def import_(
+    ctx: typer.Context,
+    directory: str = typer.Argument(..., help="Directory to version: a LeRobot dataset, a COLMAP scene, ..."),
+    name: str = typer.Argument(..., help="Name trials and configs use for it."),
+    project: str = typer.Option(..., help="Project it belongs to (quota, cache)."),
+    replace: bool = typer.Option(False, "--replace", help="Import as a new revision of an already registered NAME."),
+    message: str | None = typer.Option(None, help="Commit message of the new revision."),
+) -> None:
+    """Version a directory with DVC on the volume and register it as NAME, in one command."""
+    from pathlib import Path
+
+    from det_lab.data.importer import import_directory
+
+    settings = state(ctx).settings
+    try:
+        with console.status(f"versioning {directory} with DVC"):
+            spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)
+    except (data.DataError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"imported {directory} as {name}: {spec.repo} {spec.path}@{spec.rev} (commit {identity.commit[:10]}, "
+                  f"{identity.md5}, {identity.nfiles} files, {human_bytes(identity.size)})", highlight=False)
+    console.print(f"trials use it with data.det_lab.dataset: {name}; 'det-lab data pull {name}' fetches it", highlight=False)

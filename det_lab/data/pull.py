@@ -97,6 +97,10 @@ class _Out:
 
 def pull(spec: DatasetSpec, settings: LabSettings, *, progress: bool | None = None) -> PulledDataset:
     """Make ``spec`` available on the volume and return where to read it, with its identity."""
+    if not isinstance(spec, DatasetSpec):  # a plain directory on the volume: read in place
+        from det_lab.data.directory import use_directory
+
+        return use_directory(spec, settings)
     settings.project(spec.project)  # unknown project: clear error before any work
     layout = VolumeLayout.from_settings(settings)
     if not layout.snapshots(spec.project).is_dir():
