@@ -17,10 +17,14 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-import pytest
 import sys
 import sysconfig
+
+import pytest
 import yaml
+
+from det_lab.data.publish import publish_directory
+from det_lab.settings import load_settings
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("useradd"),
@@ -53,7 +57,7 @@ CONFIG = {
     "name": "shared", "entrypoint": "python3 train.py",
     "searcher": {"name": "single", "metric": "val_loss", "smaller_is_better": True},
     "hyperparameters": {}, "max_restarts": 0,
-    "data": {"det_lab": {"project": "vla", "max_length": {"batches": 40}, "tracking": "none"}},
+    "data": {"det_lab": {"project": "vla", "dataset": "tiny-data", "max_length": {"batches": 40}}},
 }
 
 
@@ -94,7 +98,11 @@ def _add_user(name: str, group: str, base: Path) -> User:
     pw = pwd.getpwnam(name)
     home = base / f"home-{name}"
     home.mkdir(mode=0o700)
-    os.chown(home, pw.pw_uid, pw.pw_gid)
+    # git (< 2.42 ignores -c safe.directory) refuses repositories another user owns: the dataset
+    # repos on the volume are the team's, which each member states once in ~/.gitconfig
+    (home / ".gitconfig").write_text("[safe]\n\tdirectory = *\n")
+    for p in (home, home / ".gitconfig"):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
     return User(name, pw.pw_uid, pw.pw_gid, home)
 
 
@@ -136,7 +144,13 @@ def team():
         (base / "data").mkdir()
         os.chown(base / "data", 0, gid)
         (base / "data").chmod(0o2775)
-        (base / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(base / "data"), "group": group}))
+        # one MLflow store for the team, beside the volume
+        (base / "mlflow").mkdir()
+        os.chown(base / "mlflow", 0, gid)
+        (base / "mlflow").chmod(0o2775)
+        tracking = {"backend": "mlflow", "mlflow_uri": f"sqlite:///{base}/mlflow/mlflow.db"}
+        (base / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(base / "data"), "group": group,
+                                                       "tracking": tracking}))
         trial = base / "trial"
         trial.mkdir()
         (trial / "train.py").write_text(TRIAL)
@@ -159,24 +173,44 @@ def _not_shared(root: Path, team: Team) -> list[str]:
             if stat.S_ISLNK(st.st_mode):
                 continue
             mode = stat.S_IMODE(st.st_mode)
-            is_dir = stat.S_ISDIR(st.st_mode)
-            wanted = (0o2070 if is_dir else 0o060)
-            if mode & wanted != wanted or st.st_gid != team.gid:
-                bad.append(f"{p.relative_to(team.data)} {mode:o} group {st.st_gid}")
+            if stat.S_ISDIR(st.st_mode):
+                shared = mode & 0o2070 == 0o2070  # members create and delete entries; setgid keeps the group
+            else:  # writable by the group, unless immutable for everyone (DVC cache objects: 0444)
+                shared = mode & 0o040 and (mode & 0o020 or not mode & 0o200)
+            if not shared or st.st_gid != team.gid:
+                bad.append(f"{p.relative_to(team.base)} {mode:o} group {st.st_gid}")
     return bad
+
+
+def _publish_tiny_dataset(team: Team) -> None:
+    """The admin (root) publishes a small dataset the trial pulls (git + DVC, written by DVC)."""
+    src = team.base / "tiny-src"
+    src.mkdir()
+    for i in range(5):
+        (src / f"part-{i}.csv").write_text("".join(f"{i},{j}\n" for j in range(100)))
+    publish_directory(load_settings(team.base / "lab.yaml", env={}), "vla", "tiny-data", src, "tiny")
 
 
 def test_one_member_resumes_and_deletes_what_another_wrote(team):
     init = team.det_lab(team.a, "init")
     assert init.returncode == 0, init.stderr
+    _publish_tiny_dataset(team)
     first = team.det_lab(team.a, "run", str(team.base / "trial"), "--local", env={"STOP_AT": "20"})
     assert first.returncode == 0, first.stdout + first.stderr
     (run_dir,) = [p for p in (team.data / "outputs/vla/local-runs").iterdir() if not p.name.startswith(".")]
     ckpts = team.data / "checkpoints/vla"
     assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid}
-    # everything a's run wrote on the volume is the team's to change
-    written = [run_dir, ckpts, team.data / "outputs/vla"]
+    assert (run_dir / "tracking-journal").is_dir()
+    assert list((team.data / "dvc-cache/vla").rglob("*.dir")), "the run pulled no dataset"
+    # everything a's run wrote on the volume is the team's to change: run directory (journal
+    # included), checkpoints, outputs, the shared DVC cache, the locks, the snapshots' parent
+    # directory (a snapshot itself is read-only by design). Not the SQLite MLflow store: SQLite
+    # creates its file 0644 whatever the umask (a team shares an MLflow server instead)
+    written = [run_dir, ckpts, team.data / "outputs/vla", team.data / "dvc-cache/vla", team.data / ".det-lab"]
     assert [bad for d in written for bad in _not_shared(d, team)] == []
+    snapshots = team.data / "snapshots/vla"
+    assert stat.S_IMODE(snapshots.stat().st_mode) & 0o2070 == 0o2070
+    assert {p.lstat().st_gid for p in snapshots.rglob("*")} == {team.gid}
 
     resumed = team.det_lab(team.b, "run", str(team.base / "trial"), "--local", "--resume", "--run", run_dir.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
@@ -185,8 +219,10 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
     assert len(state["checkpoints"]) == 4
     assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid, team.b.uid}
 
-    # b cleans up a's run: the run directory and every checkpoint, a's and b's own
-    rm = subprocess.run(["rm", "-rf", str(run_dir), *map(str, ckpts.iterdir())], user=team.b.uid,
+    # b cleans up a's run: the run directory, every checkpoint (a's and b's), the dataset cache
+    cache = team.data / "dvc-cache/vla"
+    rm = subprocess.run(["rm", "-rf", str(run_dir), *map(str, ckpts.iterdir()), *map(str, cache.iterdir())],
+                        user=team.b.uid,
                         group=team.b.gid, extra_groups=[team.gid], capture_output=True, text=True)
     assert rm.returncode == 0, rm.stderr
-    assert not run_dir.exists() and list(ckpts.iterdir()) == []
+    assert not run_dir.exists() and list(ckpts.iterdir()) == [] and list(cache.iterdir()) == []
