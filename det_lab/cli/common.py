@@ -43,3 +43,16 @@ def fail(message: str, code: int = 2) -> NoReturn:
     """Print one line to stderr and exit: the only way det-lab reports a user error."""
     err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def viewer_command(backend: str, target: str) -> str:
+    """How to look at a run's metrics in ``backend``'s UI, given where they were delivered."""
+    if backend == "mlflow":
+        if target.startswith(("http://", "https://")):
+            return f"open {target} in a browser"
+        return f"mlflow ui --backend-store-uri {target}"
+    if backend == "aim":
+        if target.startswith("aim://"):
+            return f"aim up --repo <the repo that 'aim server' at {target} serves> (on that machine)"
+        return f"aim up --repo {target}"
+    return target
