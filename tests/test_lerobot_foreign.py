@@ -186,6 +186,34 @@ def test_v21_stats_aggregate_the_episodes_like_lerobot(written: dict[str, Path])
     np.testing.assert_array_equal(stats["max"], actions.max(0).astype(np.float32))
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_vla_template_builds_its_policy_on_lerobot_v21(written: dict[str, Path], kind: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The user outcome behind the aggregated statistics: the VLA template trains on these files."""
+    import torch
+    import yaml
+
+    template = Path(__file__).resolve().parents[1] / "experiment_templates" / "vla"
+    monkeypatch.syspath_prepend(str(template))
+    for name in ("model", "dataset"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    from dataset import load_splits
+    from model import VLAConfig, VLAPolicy
+
+    hp = yaml.safe_load((template / "const.yaml").read_text())["hyperparameters"]  # constants only
+    hp.update(val_episodes=1, resize=None)
+    splits = load_splits(written["v2.1"] / kind / "dataset", hp)
+    full = splits.full
+    cfg = VLAConfig.from_hparams(hp["model"], state_dim=3, action_dim=2, horizon=hp["horizon"],
+                                 image_shape=full.image_shape(CAMERA))
+    policy = VLAPolicy(cfg, {k: full.norm_stats(k) for k in ("observation.state", "action", CAMERA)}, full.cameras)
+    batch = torch.utils.data.default_collate([splits.train[i] for i in range(4)])
+    out = policy(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"], batch["action"],
+                 batch["action_is_pad"])
+    assert out["action"].shape == (4, hp["horizon"], 2) and torch.isfinite(out["loss"])
+    out["loss"].backward()
+
+
 # --- Arrow string types ------------------------------------------------------------------------------
 
 
