@@ -23,6 +23,11 @@ import pytest
 from det_lab.slurm.conf import render_all
 from det_lab.slurm.settings import NodeSettings, SlurmSettings
 from det_lab.tracking.mlflow_server import free_port
+from tests.conftest import Lab
+
+REPO = Path(__file__).resolve().parents[1]
+#: the tests' tiny PyTorchTrial (linear regression; no shuffling, so resumed losses are exact)
+TINY = Path(__file__).parent / "fixtures" / "tiny"
 
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "squeue", "scontrol", "sinfo")
 #: unique per test session: Slurm's cgroups live under /sys/fs/cgroup/<controller>/slurm_<node>
@@ -186,3 +191,36 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     yield cluster
     cluster.run("scancel", "--full", "-u", os.environ.get("USER") or "root", check=False)
     cluster.stop()
+
+
+def make_slurm_lab(tmp: Path, mlflow_uri: str, cluster: SlurmCluster, with_vla: bool) -> Lab:
+    """A lab whose commands reach ``cluster``: tiny regression data (and the VLA demo) published,
+    MLflow at ``mlflow_uri``."""
+    import tempfile
+
+    import numpy as np
+
+    from det_lab.data.demo import make_vla_demo
+    from det_lab.data.publish import publish_directory
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               DET_LAB_TEMPLATES=str(REPO / "experiment_templates"), **cluster.env)
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_uri})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    if with_vla:
+        with tempfile.TemporaryDirectory() as src:
+            publish_directory(settings, "vla", "vla-demo", make_vla_demo(Path(src) / "vla-demo"), "VLA demo")
+    src = tmp / "tiny-src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (512, 1))
+    xy = np.hstack([x, 3 * x + 0.5 + rng.normal(0, 0.05, (512, 1))])
+    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
+    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
+    publish_directory(settings, "vla", "tiny-data", src, "tiny regression data")
+    return lab

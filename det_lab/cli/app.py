@@ -10,7 +10,7 @@ from det_lab import __version__
 from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cmds
 from det_lab.cli import cluster_cmds
 from det_lab.cli import templates_cmds
-from det_lab.cli import slurm_cmds
+from det_lab.cli import runs_cmds, slurm_cmds
 from det_lab.cli.common import State
 from det_lab.volume import share_with_group
 
@@ -50,6 +50,7 @@ app.add_typer(tracking_cmds.app, name="tracking")
 app.add_typer(cluster_cmds.app, name="cluster")
 app.add_typer(templates_cmds.app, name="templates")
 app.add_typer(slurm_cmds.app, name="slurm")
+app.add_typer(runs_cmds.app, name="runs")
 
 
 def main() -> None:

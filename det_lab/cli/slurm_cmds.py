@@ -74,6 +74,7 @@ def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list
     from det_lab.slurm import run as slurm_run
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
+    from det_lab.slurm.search import is_search
     from det_lab.trials import local
 
     settings, slurm = load(ctx)
@@ -82,10 +83,24 @@ def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list
         _, conf = local.load_config(tdir, config)
         conf = apply_sets(conf, sets)
         where = slurm_run.place(slurm, conf, partition, time_limit)
-        run_, _, _ = prepare_run(settings, template, config, sets, seed, SlurmRunRecord)
-        job_id = slurm_run.submit_run(run_, settings, slurm, where)
+        if is_search(conf):
+            search, job_id = slurm_run.submit_search(settings, slurm, tdir, conf, str(config or tdir), where, seed)
+        else:
+            run_, _, _ = prepare_run(settings, template, config, sets, seed, SlurmRunRecord)
+            job_id = slurm_run.submit_run(run_, settings, slurm, where)
     except (local.RunError, submit.SlurmError, ValueError) as exc:
         fail(str(exc))
+    if is_search(conf):
+        st = search.state()
+        n, _, c = st["array"].removeprefix("0-").partition("%")
+        console.print(f"search {st['name']}: Slurm job array {job_id} ({int(n) + 1} trials, at most {c} at a time)\n"
+                      f"  job script: {search.job_script}\n  study: {search.dir / 'optuna.journal'}\n"
+                      f"  table: det-lab slurm search {st['name']}\n"
+                      f"  dashboard: optuna-dashboard {search.dir / 'optuna.journal'}", highlight=False)
+        if wait:
+            submit.wait_array(job_id)
+            raise typer.Exit(_search_table(search))
+        return
     st = run_.state()
     gpus = f", {where.nodes} node(s) x {where.gpus_per_node} GPU(s)" if where.gpus_per_node else ""
     console.print(f"run {st['name']}: Slurm job {job_id} (partition {where.partition}{gpus})\n"
@@ -186,3 +201,89 @@ def prepare_run(settings, template: str, config: Path | None, sets: list[str], s
         kept.write_text(tmp_config.read_text())
     run_.update(config=str(kept), overrides=list(sets))
     return run_, cwd, command
+
+
+@app.command()
+def search(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The search's name (printed when it was submitted)."),
+    as_json: bool = typer.Option(False, "--json", help="The trials and the best one as JSON."),
+) -> None:
+    """A search's trials (state, value, hyperparameters, run) and the best one so far."""
+    from det_lab.slurm.search import SEARCHES_DIR, Search
+    from det_lab.volume import VolumeLayout
+
+    settings = state(ctx).settings
+    layout = VolumeLayout.from_settings(settings)
+    found = [layout.outputs(p) / SEARCHES_DIR / name for p in sorted(settings.projects)]
+    found = [d for d in found if (d / "search.json").is_file()]
+    if not found:
+        fail(f"no search named {name!r} on {settings.data_root} (its name is printed by 'det-lab run --slurm')")
+    s = Search(found[0])
+    if as_json:
+        typer.echo(json.dumps({"trials": s.rows(), "best": s.best()}, default=str))
+        return
+    raise typer.Exit(_search_table(s))
+
+
+def _search_table(s) -> int:
+    """Print the search's table; 0 when there is a best trial."""
+    from rich.table import Table
+
+    st = s.state()
+    metric = st["searcher"]["metric"]
+    table = Table("trial", "task", "state", f"{metric}", "step", "hyperparameters", "run",
+                  title=f"search {st['name']} ({st['searcher']['name']}, {st['array']})", title_justify="left")
+    for r in s.rows():
+        value = f"{r['value']:.5g}" if r["value"] is not None else ""
+        params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
+        table.add_row(str(r["number"]), str(r["array_task"]), r["state"], value, str(r["step"] or ""), params,
+                      str(r["run"]))
+    console.print(table)
+    best = s.best()
+    if best is None:
+        console.print("best: none yet (no trial has finished)", highlight=False)
+        return 1
+    console.print(f"best: trial {best['number']} {metric}={best['value']:.5g} run {best['run']} "
+                  f"params {json.dumps(best['params'])}", highlight=False)
+    console.print(f"dashboard: optuna-dashboard {s.dir / 'optuna.journal'}", highlight=False)
+    return 0
+
+
+@app.command()
+def image(
+    ctx: typer.Context,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write det-lab-task.def and isaac-lab.def here."),
+) -> None:
+    """Render Apptainer definition files: the lab's task image and Isaac Lab's."""
+    from det_lab.slurm.images import render_images
+
+    lab = state(ctx).settings
+    files = render_images(lab)
+    if out is None:
+        for name, text in files.items():
+            typer.echo(f"# --- {name} ---")
+            typer.echo(text, nl=False)
+        return
+    _write(out, files)
+    wheels = lab.data_root / ".det-lab" / "wheels"
+    console.print(f"wrote {', '.join(files)} to {out}\nbuild (with the wheelhouse filled: pip wheel -w {wheels} "
+                  f"det-lab): apptainer build det-lab-task.sif {out / 'det-lab-task.def'}", highlight=False)
+
+
+@app.command()
+def ci(
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write the pipeline to this file."),
+    template: str = typer.Option(".", help="The experiment directory (or template name) the pipeline trains."),
+    config: str = typer.Option("const.yaml", help="Its experiment config."),
+    lab_config: str = typer.Option("/etc/det-lab/lab.yaml", help="The lab config on the runner."),
+) -> None:
+    """Render a .gitlab-ci.yml for a training repository: tests, smoke run, Slurm (or Determined) run."""
+    from det_lab.slurm.ci import render_text
+
+    text = render_text(template=template, config=config, lab_config=lab_config)
+    if out is None:
+        typer.echo(text, nl=False)
+        return
+    _write(out.parent, {out.name: text})
+    console.print(f"wrote {out}", highlight=False)

@@ -126,8 +126,8 @@ def setup_notes(slurm: SlurmSettings, lab: LabSettings) -> list[str]:
         "check with: munge -n | ssh <node> unmunge",
         f"the volume: mount {lab.data_root} at the same path on every node (hard NFS mount in fstab); "
         "jobs write checkpoints and run records there",
-        f"install det_lab on every node (or set image: and build it: 'det-lab slurm image'); "
-        f"jobs run it as the submitting user, so users need the same uid on every machine",
+        "install det_lab on every node (jobs start it as the submitting user: the same uid everywhere); "
+        "trials run in an Apptainer image where images: maps their config's image ('det-lab slurm image')",
         f"start: slurmctld on {slurm.controller}, slurmd on every node; then 'sinfo' shows "
         f"{', '.join(slurm.partitions())}",
         f"a requeued job waits cred_expire (120 s by default) before it starts again",

@@ -13,7 +13,9 @@ Example::
       - {name: gpu-box-1, cpus: 32, memory: 128GiB, gpus: 2, gpu_kind: rtx4090}
       - {name: gpu-box-2, cpus: 64, memory: 256GiB, gpus: 4, gpu_kind: a100}
     default_time: "04:00:00"
-    image: /mnt/data/.det-lab/images/det-lab-task.sif     # jobs run under apptainer exec --nv
+    images:                                               # trials run under apptainer exec --nv
+      default: /mnt/data/.det-lab/images/det-lab-task.sif
+      isaac-lab-base:latest: /mnt/data/.det-lab/images/isaac-lab.sif
 
 Problems are raised as :class:`SlurmConfigError`, one line naming the file and key.
 """
@@ -99,8 +101,9 @@ class SlurmSettings(_Strict):
     default_time: str = "1-00:00:00"
     signal_seconds: int = Field(default=300, ge=30,
                                 description="how long before the time limit a job is told to checkpoint")
-    image: Path | None = Field(default=None, description="Apptainer image (.sif) jobs run in")
-    binds: list[Path] = Field(default_factory=list, description="extra paths bound into the image")
+    images: dict[str, Path] = Field(default_factory=dict, description=(
+        "an experiment config's environment.image (or 'default') -> the Apptainer .sif its trials run in"))
+    binds: list[Path] = Field(default_factory=list, description="extra paths bound into the images")
     slurmctld_port: int = Field(default=6817, ge=1, le=65535)
     slurmd_port: int = Field(default=6818, ge=1, le=65535)
     slurm_user: str = "slurm"
@@ -115,11 +118,12 @@ class SlurmSettings(_Strict):
     def _time(cls, v: str) -> str:
         return check_time(v)
 
-    @field_validator("image")
+    @field_validator("images")
     @classmethod
-    def _image(cls, v: Path | None) -> Path | None:
-        if v is not None and not v.is_absolute():
-            raise ValueError(f"{str(v)!r} must be an absolute path (the same on every node)")
+    def _images(cls, v: dict[str, Path]) -> dict[str, Path]:
+        for path in v.values():
+            if not path.is_absolute():
+                raise ValueError(f"{str(path)!r} must be an absolute path (the same on every node)")
         return v
 
     @model_validator(mode="after")

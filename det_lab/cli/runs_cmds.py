@@ -1,0 +1,172 @@
+"""``det-lab runs list|show|tail|cancel``: runs on the volume, whatever ran them (local, Slurm)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import typer
+from rich.table import Table
+
+from det_lab.cli.common import console, fail, state
+from det_lab.settings import LabSettings
+from det_lab.slurm import submit
+from det_lab.slurm.record import SlurmRunRecord
+from det_lab.trials.record import LocalRunRecord, iter_records
+from det_lab.volume import VolumeLayout
+
+app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
+                  no_args_is_help=True)
+
+#: run.json statuses after which a run's trial will not run again on its own
+ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
+
+
+def all_runs(settings: LabSettings, project: str | None = None) -> list[LocalRunRecord]:
+    layout = VolumeLayout.from_settings(settings)
+    projects = [project] if project else sorted(settings.projects)
+    runs = [r for p in projects for r in iter_records(layout, p)]
+    return sorted(runs, key=lambda r: r.run_file.stat().st_mtime)
+
+
+def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
+    """The run called ``name`` in any project; one error line if there is none."""
+    for run in all_runs(settings):
+        if run.dir.name == name:
+            return run
+    fail(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
+
+
+def _where(run: LocalRunRecord, st: dict) -> str:
+    slurm = st.get("slurm") or {}
+    if not slurm:
+        return st.get("host", "this machine") if run.kind == "local" else run.kind
+    attempts = slurm.get("attempts") or []
+    node = attempts[-1]["node"] if attempts else "-"
+    return f"job {slurm.get('job_id', '-')} on {node}" + (f" ({len(attempts)} starts)" if len(attempts) > 1 else "")
+
+
+def live_status(run: LocalRunRecord) -> str:
+    """run.json's status, corrected by Slurm for a job that ended without the driver saying so."""
+    st = run.state()
+    status = st.get("status") or "created"
+    if isinstance(run, SlurmRunRecord) and status not in ENDED and run.job_id():
+        try:
+            job = submit.job_state(run.job_id())
+        except submit.SlurmError:
+            return status
+        if job is None or job.get("JobState") in submit.FINAL_STATES:
+            return (job or {}).get("JobState", "gone").lower()
+        return job["JobState"].lower()
+    return status
+
+
+@app.command("list")
+def list_runs(
+    ctx: typer.Context,
+    project: str | None = typer.Option(None, "--project", "-p", help="Only this project's runs."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per run."),
+) -> None:
+    """Every run on the volume, oldest first: kind, status, progress, where it ran."""
+    settings = state(ctx).settings
+    if project:
+        try:
+            settings.project(project)
+        except ValueError as exc:
+            fail(str(exc))
+    runs = all_runs(settings, project)
+    rows = []
+    for run in runs:
+        st = run.state()
+        step, val = run.progress()
+        rows.append({"name": st["name"], "kind": run.kind, "template": st.get("template"),
+                     "status": live_status(run), "step": step, "of": st.get("max_length"),
+                     "where": _where(run, st), "dir": str(run.dir),
+                     "metric": next(iter(val.items()), None)})
+    if as_json:
+        for row in rows:
+            typer.echo(json.dumps(row))
+        return
+    table = Table("run", "kind", "status", "progress", "last validation", "where")
+    for r in rows:
+        metric = f"{r['metric'][0]}={r['metric'][1]:.4g}" if r["metric"] else ""
+        table.add_row(r["name"], r["kind"], r["status"], f"{r['step']}/{r['of']}", metric, r["where"])
+    console.print(table)
+
+
+@app.command()
+def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name (det-lab runs list).")) -> None:
+    """A run's record: config, hyperparameters, checkpoints, where it ran, tracking."""
+    run = find_run(state(ctx).settings, name)
+    st = run.state()
+    step, val = run.progress()
+    table = Table(title=f"{st['name']} ({run.kind}): {live_status(run)}", show_header=False, title_justify="left")
+    table.add_row("directory", str(run.dir))
+    table.add_row("config", str(st.get("config")))
+    table.add_row("hyperparameters", json.dumps(st.get("hparams")))
+    table.add_row("progress", f"{step} of {st.get('max_length')} {st.get('max_length_unit', '')}")
+    if val:
+        table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in val.items()))
+    ckpts = st.get("checkpoints") or []
+    table.add_row("checkpoints", f"{len(ckpts)}; latest {st.get('latest_checkpoint')} (step {st.get('latest_checkpoint_step')})")
+    slurm = st.get("slurm") or {}
+    if slurm:
+        table.add_row("slurm job", f"{slurm.get('job_id')} in partition {slurm.get('partition')}, "
+                                   f"{slurm.get('nodes')} node(s) x {slurm.get('gpus_per_node')} GPU(s)")
+        for a in slurm.get("attempts") or []:
+            table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']})")
+        table.add_row("job script", str(slurm.get("script")))
+    summary = run.tracking_summary()
+    for b in (summary or {}).get("backends", []):
+        table.add_row(b["backend"], f"run {b['run_id']}: {b['delivered']} events delivered, {b['pending']} pending")
+    console.print(table)
+
+
+@app.command()
+def tail(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The run's name."),
+    lines: int = typer.Option(20, "--lines", "-n", help="How many lines to show first."),
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends."),
+) -> None:
+    """The run's log (train.log): its last lines, and with -f what follows."""
+    run = find_run(state(ctx).settings, name)
+    try:
+        text = run.log_file.read_text(errors="replace")
+    except FileNotFoundError:
+        text = ""
+    for line in text.splitlines()[-lines:]:
+        typer.echo(line)
+    if not follow:
+        return
+    pos = len(text.encode())
+    while True:
+        try:
+            with open(run.log_file, "rb") as f:
+                f.seek(pos)
+                chunk = f.read()
+        except FileNotFoundError:
+            chunk = b""
+        if chunk:
+            pos += len(chunk)
+            typer.echo(chunk.decode(errors="replace"), nl=False)
+        elif live_status(run) in ENDED | {"completed", "cancelled", "gone", "failed", "timeout"}:
+            return
+        time.sleep(0.5)
+
+
+@app.command()
+def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name.")) -> None:
+    """Stop a run: a Slurm job is cancelled (its trial checkpoints first, as on a time limit)."""
+    run = find_run(state(ctx).settings, name)
+    st = run.state()
+    if st.get("status") in ENDED:
+        fail(f"run {name} already ended ({st['status']}); nothing to cancel")
+    if not isinstance(run, SlurmRunRecord) or not run.job_id():
+        fail(f"run {name} is a {run.kind} run: stop it with Ctrl-C in the terminal running 'det-lab run'")
+    try:
+        submit.cancel(run.job_id())
+    except submit.SlurmError as exc:
+        fail(str(exc))
+    console.print(f"cancelled Slurm job {run.job_id()} of run {name}; its trial checkpoints and stops "
+                  f"(resume it with: sbatch {run.job_script})", highlight=False)

@@ -1,0 +1,176 @@
+"""The Slurm job: a rendered sbatch script a person can read and resubmit, and the driver it runs.
+
+Why rendered scripts and not submitit: the job is a bash file in the run's directory
+(``job.sbatch``) that says everything it does; ``sbatch job.sbatch`` resubmits it; and inside it
+the trial runs exactly as ``det-lab run --local`` runs it (Determined's harness off-cluster, the
+same run record), so nothing pickled crosses the submit boundary and nothing depends on the
+submitting Python.
+
+Preemption and time limits: the script asks Slurm for ``USR1`` ``signal_seconds`` before the
+limit (``--signal=B:USR1@N``); its trap passes it to the driver, which asks the trial to
+checkpoint and stop (SIGTERM, det_lab's preemption), records how it ended, and the script then
+runs ``scontrol requeue``. The requeued job starts the driver again, which resumes the trial from
+the run's latest checkpoint in the same tracker run.
+
+The driver (``python -m det_lab.slurm.job RUN_DIR``) runs once per node: the first node records
+the attempt and the outcome; ``slots_per_trial`` > 1 runs the trial under torchrun (one process
+per GPU; several nodes rendezvous at the first one).
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from det_lab.settings import load_settings
+from det_lab.slurm.record import SlurmRunRecord
+from det_lab.trials import local
+from det_lab.trials.record import open_record
+
+#: environment variables a job carries over from the submitting shell (written into the script)
+PASSED_ENV_PREFIXES = ("DET_LAB_", "MLFLOW_", "DET_MASTER", "AIM_")
+RENDEZVOUS_PORT = 29500
+
+
+@dataclass
+class JobSpec:
+    """What the sbatch header asks for, and how the driver is started."""
+
+    name: str
+    output: str
+    partition: str | None = None
+    time: str | None = None
+    nodes: int = 1
+    gpus_per_node: int = 0
+    signal_seconds: int = 300
+    array: str | None = None
+    python: str = sys.executable
+
+    def header(self) -> list[str]:
+        lines = [f"--job-name={self.name}", f"--output={self.output}", "--open-mode=append"]
+        if self.partition:
+            lines.append(f"--partition={self.partition}")
+        if self.time:
+            lines.append(f"--time={self.time}")
+        lines += [f"--nodes={self.nodes}", "--ntasks-per-node=1"]
+        if self.gpus_per_node:
+            lines.append(f"--gres=gpu:{self.gpus_per_node}")
+        lines += [f"--signal=B:USR1@{self.signal_seconds}", "--requeue"]
+        if self.array:
+            lines.append(f"--array={self.array}")
+        return [f"#SBATCH {x}" for x in lines]
+
+    def launcher(self, driver: list[str]) -> str:
+        """The command line that starts the driver: under srun (one per node) on several nodes."""
+        argv = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"] if self.nodes > 1 else []
+        return shlex.join([*argv, self.python, *driver])
+
+
+def passed_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The det_lab, MLflow and Determined variables of the submitting shell."""
+    environ = dict(os.environ if environ is None else environ)
+    return {k: v for k, v in sorted(environ.items()) if k.startswith(PASSED_ENV_PREFIXES)}
+
+
+def render_script(spec: JobSpec, driver: list[str], cwd: Path, env: dict[str, str], comment: list[str]) -> str:
+    """The sbatch script (see the module docstring)."""
+    lines = ["#!/bin/bash", *spec.header(), "#"]
+    lines += [f"# {c}" for c in comment]
+    lines += ["set -u"]
+    lines += [f"export {k}={shlex.quote(v)}" for k, v in env.items()]
+    lines += [
+        f"cd {shlex.quote(str(cwd))}",
+        "",
+        f"# Slurm sends USR1 {spec.signal_seconds} s before the time limit: the trial checkpoints and stops,",
+        "# then this job requeues itself and the next start resumes from that checkpoint.",
+        "requeue=0",
+        'trap \'requeue=1; kill -USR1 "$driver" 2>/dev/null\' USR1',
+        "# scancel: the trial checkpoints and stops; this script waits for it (Slurm's KillWait)",
+        'trap \'kill -TERM "$driver" 2>/dev/null\' TERM',
+        f"{spec.launcher(driver)} &",
+        "driver=$!",
+        'until wait "$driver"; code=$?; ! kill -0 "$driver" 2>/dev/null; do :; done',
+        'if [ "$requeue" = 1 ] && [ "$code" = 0 ]; then',
+        '  echo "det-lab: requeueing job $SLURM_JOB_ID; it resumes from the latest checkpoint"',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$code"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def trial_command(command: list[str], gpus_per_node: int, nodes: int, environ: dict[str, str]) -> list[str]:
+    """The trial's command on this node: as is for one GPU (or none), else under torchrun."""
+    if gpus_per_node <= 1 and nodes <= 1:
+        return command
+    python, rest = command[0], command[1:]
+    run = [python, "-m", "torch.distributed.run", f"--nproc_per_node={max(gpus_per_node, 1)}"]
+    if nodes <= 1:
+        return [*run, "--standalone", *rest]
+    head = subprocess.run(["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
+                          capture_output=True, text=True, check=True).stdout.split()[0]
+    return [*run, f"--nnodes={nodes}", f"--node_rank={environ.get('SLURM_NODEID', '0')}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{RENDEZVOUS_PORT}",
+            f"--rdzv_id={environ.get('SLURM_JOB_ID', '0')}", *rest]
+
+
+def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
+    """Run (or resume) the trial of ``run`` inside the job; returns the trial's exit code.
+
+    USR1 (the time limit is near), TERM, INT and ``stop_signals`` ask the trial to checkpoint and stop."""
+    settings = load_settings()
+    first_node = os.environ.get("SLURM_NODEID", "0") == "0"
+    state = run.state()
+    if state.get("status") == "finished":
+        print(f"det-lab: run {state['name']} already finished; nothing to do", flush=True)
+        return 0
+    if first_node:
+        attempt = run.start_attempt()
+        if state.get("latest_checkpoint"):
+            state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status="running")
+            print(f"det-lab: resuming {state['name']} from checkpoint {state['latest_checkpoint']} "
+                  f"on {attempt['node']}", flush=True)
+        else:
+            state = run.update(status="running")
+    slurm = state.get("slurm") or {}
+    container = slurm.get("apptainer") or []
+    command = trial_command(slurm.get("container_command") if container else state["command"],
+                            int(slurm.get("gpus_per_node", 0)), int(slurm.get("nodes", 1)), dict(os.environ))
+    command = [*container, *command]  # the trial in the image; this driver stays on the node
+    cwd = Path(state["cwd"])
+    with open(run.log_file, "ab") as log:
+        proc = subprocess.Popen(command, cwd=cwd, env=local.trial_env(run, cwd, settings), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+
+    def stop(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # det_lab's preemption: checkpoint, then stop
+
+    for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, *stop_signals):
+        signal.signal(sig, stop)
+    code = proc.wait()
+    if first_node:
+        status = local.record_exit(run, code)
+        print(f"det-lab: trial {status} (exit code {code})", flush=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m det_lab.slurm.job RUN_DIR", file=sys.stderr)
+        return 2
+    run = open_record(Path(argv[0]))
+    if not isinstance(run, SlurmRunRecord):
+        print(f"error: {argv[0]} is not a Slurm run (kind {run.kind!r})", file=sys.stderr)
+        return 2
+    return run_in_job(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Submitting, watching and cancelling Slurm jobs with Slurm's own commands.
+
+Before anything is created det_lab asks Slurm (``sinfo``) what the partition has, so a missing
+``sbatch``, an unknown partition or more GPUs than the partition's nodes hold is one line with
+the fix. A job whose submission fails leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+#: Slurm job states after which a job will not run again
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+                "BOOT_FAIL", "DEADLINE", "SPECIAL_EXIT"}
+_GPU = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
+
+
+class SlurmError(RuntimeError):
+    """Slurm is missing or refused; phrased as one line with the fix."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    """A partition as ``sinfo`` reports it: its nodes and the GPUs each has."""
+
+    name: str
+    default: bool
+    gpus_per_node: list[int]
+
+    @property
+    def max_gpus(self) -> int:
+        return max(self.gpus_per_node, default=0)
+
+
+def require(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        raise SlurmError(f"{name} not found on PATH: run this on a Slurm login node, or install Slurm's "
+                         f"client (apt-get install slurm-client) and set SLURM_CONF to the cluster's slurm.conf")
+    return path
+
+
+def _slurm(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([require(argv[0]), *argv[1:]], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise SlurmError(f"{argv[0]} did not answer in {timeout:.0f} s: is slurmctld running? (check 'sinfo')") from None
+
+
+def partitions() -> dict[str, Partition]:
+    """Every partition and its nodes' GPU counts."""
+    proc = _slurm("sinfo", "-h", "-N", "-o", "%P|%N|%G")
+    if proc.returncode != 0:
+        raise SlurmError(f"sinfo failed: {proc.stderr.strip() or proc.stdout.strip()} "
+                         f"(is slurmctld running and SLURM_CONF right?)")
+    nodes: dict[str, dict[str, int]] = {}
+    defaults: set[str] = set()
+    for line in proc.stdout.splitlines():
+        part, node, gres = (line.split("|") + ["", ""])[:3]
+        if part.endswith("*"):
+            part = part[:-1]
+            defaults.add(part)
+        m = _GPU.search(gres)
+        nodes.setdefault(part, {})[node] = int(m.group(1)) if m else 0
+    return {p: Partition(p, p in defaults, list(n.values())) for p, n in nodes.items()}
+
+
+def plan_resources(partition: str | None, slots: int) -> tuple[str, int, int]:
+    """The partition to use, the nodes and the GPUs per node for ``slots`` GPUs; SlurmError if it cannot fit."""
+    parts = partitions()
+    if partition is None:
+        partition = next((p.name for p in parts.values() if p.default), None)
+        if partition is None:
+            raise SlurmError("Slurm has no default partition: pass --partition (partitions: "
+                             f"{', '.join(sorted(parts))})")
+    if partition not in parts:
+        raise SlurmError(f"--partition {partition}: no such Slurm partition (partitions: {', '.join(sorted(parts))})")
+    part = parts[partition]
+    if part.max_gpus == 0:
+        if slots > 1:
+            raise SlurmError(f"resources.slots_per_trial={slots}, but partition {partition} has no GPUs: "
+                             f"pick a GPU partition with --partition, or --set resources.slots_per_trial=1")
+        return partition, 1, 0
+    per_node = min(slots, part.max_gpus)
+    nodes = math.ceil(slots / per_node)
+    able = sum(1 for g in part.gpus_per_node if g >= per_node)
+    if nodes > able or slots % per_node:
+        fits = part.max_gpus * able
+        raise SlurmError(f"resources.slots_per_trial={slots}: partition {partition} has {len(part.gpus_per_node)} "
+                         f"node(s) with at most {part.max_gpus} GPUs each, so a trial fits {part.max_gpus} or fewer "
+                         f"GPUs on one node, or a multiple of {part.max_gpus} up to {fits} across nodes "
+                         f"(e.g. --set resources.slots_per_trial={part.max_gpus}), or pick another --partition")
+    return partition, nodes, per_node
+
+
+def sbatch(script: str) -> str:
+    """Submit a script file; its job id (for an array, the array's id)."""
+    proc = _slurm("sbatch", "--parsable", script)
+    if proc.returncode != 0:
+        msg = " ".join(line.removeprefix("sbatch: error: ") for line in proc.stderr.strip().splitlines())
+        raise SlurmError(f"sbatch refused the job: {msg or 'no reason given'}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_state(job_id: str) -> dict[str, str] | None:
+    """``scontrol show job`` as a dict (an array gives its first task), or None once Slurm forgot the job."""
+    proc = _slurm("scontrol", "show", "job", "-o", job_id)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        return None
+    first = proc.stdout.strip().splitlines()[0]
+    return dict(kv.split("=", 1) for kv in first.split() if "=" in kv)
+
+
+def array_states(job_id: str) -> dict[str, str]:
+    """Array task id -> state, for the tasks Slurm still knows."""
+    proc = _slurm("squeue", "-h", "--states=all", "-r", "-j", job_id, "-o", "%K|%T")
+    out = {}
+    for line in proc.stdout.splitlines():
+        task, _, st = line.partition("|")
+        out[task] = st
+    return out
+
+
+def cancel(job_id: str) -> None:
+    proc = _slurm("scancel", job_id)
+    if proc.returncode != 0:
+        raise SlurmError(f"scancel {job_id}: {proc.stderr.strip()}")
+
+
+def wait(job_id: str, on_change: Callable[[dict[str, str]], None] | None = None, poll: float = 0.5,
+         tick: Callable[[], None] | None = None) -> dict[str, str] | None:
+    """Wait until the job has ended for good (requeues included); its last known state."""
+    last: dict[str, str] | None = None
+    seen = None
+    while True:
+        st = job_state(job_id)
+        if st is None:
+            return last
+        key = (st.get("JobState"), st.get("NodeList"), st.get("Restarts"))
+        if key != seen and on_change:
+            on_change(st)
+        seen, last = key, st
+        if st.get("JobState") in FINAL_STATES:
+            return st
+        if tick:
+            tick()
+        time.sleep(poll)
+
+
+def wait_array(job_id: str, poll: float = 1.0) -> dict[str, str]:
+    """Wait until every task of a job array has ended for good; their last states."""
+    last: dict[str, str] = {}
+    while True:
+        states = array_states(job_id)
+        last.update(states)
+        if all(st in FINAL_STATES for st in states.values()):
+            return last
+        time.sleep(poll)
