@@ -33,6 +33,7 @@ import copy
 import functools
 import io
 import json
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -324,7 +325,10 @@ class LeRobotDataset(torch.utils.data.Dataset):
 
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+    line = text[0] if text else ""
+    # torchcodec prefixes its messages with "<function>, <C++ source file>:<line>, "
+    line = re.sub(r"^\w+, \S+\.(?:cpp|h):\d+, ", "", line)
+    return f"{type(exc).__name__}: {line}"
 
 
 def _decode_image(source: Path | io.BytesIO, where_file: Path, what: str) -> np.ndarray:
