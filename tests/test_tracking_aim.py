@@ -270,7 +270,7 @@ def test_mirror_sends_renders_as_aim_images(tmp_path: Path) -> None:
     from det_lab.tracking.mirror import Mirror
 
     repo = tmp_path / "aim"
-    mirror = Mirror(RunInfo(key="renders", name="renders", experiment="det_lab/3dgs"), [AimBackend(str(repo))],
+    mirror = Mirror(RunInfo(key="renders", name="renders", experiment="det_lab/3dgs"), {"aim": str(repo)},
                     tmp_path / "journal", interval=0.2)
     for step in (100, 200):
         render = tmp_path / f"view0-{step}.png"

@@ -25,7 +25,7 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
 
 
 def test_every_group_params_tags_and_checkpoints_arrive(mlflow_server, tmp_path):
-    mirror = Mirror(run_info("t1"), [MlflowBackend(mlflow_server.uri)], tmp_path / "journal", interval=0.2)
+    mirror = Mirror(run_info("t1"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.2)
     mirror.log_params({"lr": 1e-3, "model": {"layers": 4, "width": 256}})
     for step in range(1, 301):
         mirror.log_metrics("training", step, {"loss": 1.0 / step, "grad_norm": step * 0.5, "note": "skipped"})
@@ -54,7 +54,7 @@ def test_every_group_params_tags_and_checkpoints_arrive(mlflow_server, tmp_path)
 def test_outage_loses_nothing_and_training_never_waits(mlflow_server, tmp_path):
     server = mlflow_server
     try:
-        mirror = Mirror(run_info("outage"), [MlflowBackend(server.uri)], tmp_path / "journal", interval=0.2)
+        mirror = Mirror(run_info("outage"), {"mlflow": server.uri}, tmp_path / "journal", interval=0.2)
         for step in range(1, 101):
             mirror.log_metrics("training", step, {"loss": float(step)})
         assert mirror.flush(timeout=30)
@@ -85,9 +85,8 @@ CHILD = textwrap.dedent("""
     from pathlib import Path
     from det_lab.tracking.events import RunInfo
     from det_lab.tracking.mirror import Mirror
-    from det_lab.tracking.mlflow_backend import MlflowBackend
     uri, journal, first, last = sys.argv[1], Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    m = Mirror(RunInfo(key="restart", name="restart", experiment="det_lab-tests"), [MlflowBackend(uri)], journal)
+    m = Mirror(RunInfo(key="restart", name="restart", experiment="det_lab-tests"), {"mlflow": uri}, journal)
     for step in range(first, last + 1):
         m.log_metrics("training", step, {"loss": float(step)})
     print(m.close(timeout=3))
@@ -125,12 +124,12 @@ def test_restarted_process_replays_the_journal_into_the_same_run(mlflow_server, 
 
 
 def test_resume_on_another_machine_continues_the_same_run(mlflow_server, tmp_path):
-    first = Mirror(run_info("resume"), [MlflowBackend(mlflow_server.uri)], tmp_path / "machine-a")
+    first = Mirror(run_info("resume"), {"mlflow": mlflow_server.uri}, tmp_path / "machine-a")
     first.log_params({"lr": 0.1})
     first.log_metrics("training", 1, {"loss": 1.0})
     run_id = first.close().backends[0].run_id
     # no journal on machine B: the run is found by its key; the same params are re-sent harmlessly
-    second = Mirror(run_info("resume"), [MlflowBackend(mlflow_server.uri)], tmp_path / "machine-b")
+    second = Mirror(run_info("resume"), {"mlflow": mlflow_server.uri}, tmp_path / "machine-b")
     second.log_params({"lr": 0.1})
     second.log_metrics("training", 2, {"loss": 0.5})
     summary = second.close()
@@ -159,7 +158,7 @@ def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, mlflow_serv
     journal = lab.root / "outputs" / "vla" / "tracking-journal" / "left-behind"
     mlflow_server.stop()
     try:
-        mirror = Mirror(run_info("left-behind"), [MlflowBackend(mlflow_server.uri)], journal)
+        mirror = Mirror(run_info("left-behind"), {"mlflow": mlflow_server.uri}, journal)
         for step in range(1, 51):
             mirror.log_metrics("training", step, {"loss": float(step)})
         assert mirror.close(timeout=2).backends[0].pending == 51
@@ -177,7 +176,7 @@ def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, mlflow_serv
 
 
 def test_infinite_values_arrive_and_do_not_block_delivery(mlflow_server, tmp_path):
-    mirror = Mirror(run_info("inf"), [MlflowBackend(mlflow_server.uri)], tmp_path / "journal", interval=0.2)
+    mirror = Mirror(run_info("inf"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.2)
     mirror.log_metrics("training", 1, {"loss": float("inf"), "ok": 1.0})
     mirror.log_metrics("training", 2, {"loss": 2.0, "ok": 2.0})
     summary = mirror.close()

@@ -7,7 +7,9 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.common import console, fail, state
-from det_lab.tracking.sync import find_journals, pending, sync
+from det_lab.tracking.delivery import deliver_journal
+from det_lab.tracking.journal import JournalError
+from det_lab.tracking.sync import find_journals, pending
 
 app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals.", no_args_is_help=True)
 
@@ -32,7 +34,10 @@ def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="
         fail(f"{journal} is not a det_lab tracking journal (no run.json)")
     left = 0
     for j in journals:
-        summary = sync(settings, j)
+        try:
+            summary = deliver_journal(j)
+        except JournalError as exc:
+            fail(str(exc))
         console.print(str(summary), highlight=False)
         left += sum(b.pending for b in summary.backends)
     if left:
@@ -43,19 +48,43 @@ def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="
 def serve(
     ctx: typer.Context,
     host: str = typer.Option("127.0.0.1", help="Address to bind; 0.0.0.0 for the lab network."),
-    port: int = typer.Option(5000),
-    store: Path = typer.Option(Path("~/.local/share/det-lab/mlflow-server").expanduser(),
-                               help="Local-disk directory for the SQLite store (never on NFS)."),
+    port: int = typer.Option(5000, help="TCP port to listen on (1-65535)."),
+    store: Path | None = typer.Option(None, help="Local-disk directory for a SQLite store (never on NFS); "
+                                      "default: the store local runs write to."),
 ) -> None:
-    """Run an MLflow tracking server: SQLite on local disk, artifacts on the volume."""
-    from det_lab.tracking.mlflow_server import MlflowServer
+    """Run an MLflow tracking server over the store local runs write to; artifacts on the volume."""
+    import signal
+
+    from det_lab.tracking.mlflow_server import MlflowServer, port_in_use
+    from det_lab.tracking.targets import default_local_uri, default_mlflow_store
 
     settings = state(ctx).settings
+    if not 1 <= port <= 65535:
+        fail(f"--port {port} is not a TCP port: use 1-65535")
+    if port_in_use(host, port):
+        fail(f"port {port} on {host} is in use (another server?): choose another with --port")
+    configured = settings.tracking.mlflow_uri
+    if store is not None:
+        root, store_uri = store.expanduser(), None
+    elif configured and not configured.startswith(("http://", "https://")):
+        root, store_uri = default_mlflow_store() / "mlflow-server", configured  # the configured local store
+    else:
+        root, store_uri = default_mlflow_store(), default_local_uri()
     artifacts = settings.data_root / "outputs" / "mlflow-artifacts"
-    server = MlflowServer(store, port, host=host, artifacts=artifacts)
-    console.print(f"MLflow at {server.uri}, store {store}, artifacts {artifacts}; Ctrl-C stops it", highlight=False)
-    server.start()
+    server = MlflowServer(root, port, host=host, artifacts=artifacts, store_uri=store_uri)
+    shown = store_uri or f"sqlite:///{root / 'mlflow.db'}"
+    console.print(f"MLflow at {server.uri}, store {shown}, artifacts {artifacts}; Ctrl-C stops it", highlight=False)
+
+    def stop(signum: int, frame: object) -> None:  # noqa: ARG001 (signal handler signature)
+        raise typer.Exit(0)  # the finally below stops the server (not here: wait() holds its lock)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     try:
+        try:
+            server.start()
+        except RuntimeError as exc:
+            fail(f"mlflow server did not start: {str(exc).splitlines()[0]} (log: {root / 'server.log'})")
         server.proc.wait()
-    except KeyboardInterrupt:
+    finally:
         server.stop()

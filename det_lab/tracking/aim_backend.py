@@ -44,17 +44,13 @@ from urllib.parse import urlsplit
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags
+from det_lab.tracking.targets import default_local_repo
 
 logger = logging.getLogger(__name__)
 
 REMOTE_SCHEME = "aim://"
 
 
-def default_local_repo() -> str:
-    """A local repo on local disk (never on NFS): ``~/.local/share/det-lab/aim``."""
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "det-lab" / "aim"
-    base.mkdir(parents=True, exist_ok=True)
-    return str(base)
 RUN_HASH_LENGTH = 24  # what aim.sdk.utils.generate_run_hash produces
 
 

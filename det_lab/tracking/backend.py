@@ -14,10 +14,11 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 class TrackerBackend(ABC):
     """A tracker the mirror delivers to.
 
-    The mirror calls these from its background sender thread only, never from the training
-    thread. Any exception means "not delivered, try again later": the mirror keeps the events in
-    its journal and calls ``open`` / ``deliver`` again with the same events once the tracker
-    answers. ``deliver`` must therefore tolerate a batch that was partly delivered before.
+    Only a sender process (:mod:`det_lab.tracking.sender`) or ``det-lab tracking sync`` calls
+    these, never the training process. Any exception means "not delivered, try again later": the
+    events stay in the journal and ``open`` / ``deliver`` are called again with the same events
+    once the tracker answers, possibly by another process after a crash. ``deliver`` must
+    therefore tolerate a batch that was partly or wholly delivered before.
     """
 
     name: str  # "mlflow", "aim": also the journal cursor's name

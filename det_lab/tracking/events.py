@@ -7,6 +7,7 @@ them in order after an outage or a restart.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Union
@@ -81,6 +82,9 @@ def from_record(record: dict[str, Any]) -> tuple[int, Event]:
     record = dict(record)
     seq = record.pop("seq")
     cls = _KINDS[record.pop("kind")]
+    if "f64t" in record:  # metrics as the mirror writes them: keys; values then the time, as doubles in hex
+        *values, record["timestamp"] = array("d", bytes.fromhex(record.pop("f64t")))
+        record["values"] = {k: v for k, v in zip(record.pop("keys"), values) if v == v}  # NaN: not a point
     return seq, cls(**record)
 
 
@@ -90,7 +94,7 @@ def numeric(metrics: Mapping[str, Any]) -> dict[str, float]:
     for k, v in metrics.items():
         try:
             out[str(k)] = float(v)
-        except (TypeError, ValueError):
+        except Exception:  # not a number (a string, a multi-element tensor): not a metric
             continue
     return out
 

@@ -1,40 +1,53 @@
-"""The mirror: everything a trial reports, delivered to MLflow and/or Aim without slowing it.
+"""The mirror: everything a trial reports, delivered to MLflow and/or Aim at almost no cost to it.
 
-The training thread only appends to an in-memory queue. A background sender moves the queue
-into the durable :class:`~det_lab.tracking.journal.Journal`, then delivers from the journal to
-each backend in batches, advancing that backend's cursor after each acknowledged batch. A
-tracker that is down is retried with backoff while events wait in the journal (on disk, so
-memory stays bounded); when it answers again the backlog is delivered in order. A process that
-restarts with the same journal directory replays what was never delivered.
+The training process only appends events to the durable
+:class:`~det_lab.tracking.journal.Journal`: a call encodes its event into a line (metric values
+packed as doubles in hex: formatting floats as text would cost more than everything else) and
+queues it; a small writer
+thread appends the queued lines in batches, fsyncs them and wakes the senders. Delivery runs in
+one sender process per backend (:mod:`det_lab.tracking.sender`), niced, in its own session, so
+neither the tracker's client nor the network ever competes with the training loop, and a
+killed trial's events are still delivered. The writer thread checks every few seconds that the
+senders live, and restarts one that died; it picks up at its cursor.
+
+A metric is journaled once per step: a point whose step is not above the highest step already
+journaled for that group and key (a resumed trial replaying the steps after its last
+checkpoint) is dropped, across restarts too (the marks are kept in the journal).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import threading
 import time
-from collections import deque
-from collections.abc import Mapping, Sequence
+import uuid
+import struct
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from det_lab.tracking.backend import RunStatus, TrackerBackend
-from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags, flatten, numeric
-from det_lab.tracking.journal import Cursor, Journal
+from det_lab.tracking.backend import RunStatus
+from det_lab.tracking.events import Artifact, Checkpoint, Event, Params, RunInfo, Tags, flatten, numeric
+from det_lab.tracking.journal import Journal, encode
+from det_lab.tracking.senders import STARTUP_GRACE, SenderProcess
 
 log = logging.getLogger("det_lab.tracking")
 
-MAX_BATCH = 1000  # MLflow's log_batch limit for metrics
-MAX_QUEUED = 10_000  # events held in memory before the caller writes them to the journal itself
-MAX_BACKOFF = 15.0
+WRITE_INTERVAL = 0.2  # seconds between the writer thread's batches
+SUPERVISE_INTERVAL = 2.0  # seconds between checks that the senders live
+MARKS_EVERY = 1000  # events between saves of the metric marks (and at every flush)
+MAX_QUEUED = 20_000  # lines queued before a call wakes the writer early
+LINGER = 120.0  # seconds a sender keeps trying a down tracker after the trial is gone
+_KEYS_CACHE_MAX = 1024
 
 
 @dataclass
 class BackendSummary:
     backend: str
-    delivered: int  # events this process delivered
+    delivered: int  # events delivered since this mirror opened (a replayed backlog included)
     pending: int  # events still only in the journal
     run_id: str | None
     error: str | None
@@ -54,59 +67,117 @@ class DeliverySummary:
         for b in self.backends:
             s = f"{b.backend}: {b.delivered} events delivered to run {b.run_id}"
             if b.pending:
-                s += f", {b.pending} pending in {self.journal} ({b.error}); they are sent on the next run with this journal"
+                s += (f", {b.pending} pending in {self.journal} ({b.error or 'not delivered yet'}); its sender "
+                      "keeps delivering them for a while, then `det-lab tracking sync` does")
             parts.append(s)
         return "tracking summary: " + ("; ".join(parts) if parts else "no tracker configured")
 
 
-@dataclass
-class _State:
-    backend: TrackerBackend
-    cursor: Cursor
-    opened: bool = False
-    delivered: int = 0
-    down_since: float | None = None
-    next_try: float = 0.0
-    backoff: float = 1.0
-    error: str | None = None
-
-
 class Mirror:
-    """Mirror a run's metrics, params, tags and checkpoints to ``backends``.
+    """Mirror a run's metrics, params, tags and checkpoints to ``targets`` (``{backend: URI or repo}``).
 
     Every public method is safe to call from the training loop: none does network I/O, none
     raises because a tracker failed.
     """
 
-    def __init__(self, run: RunInfo, backends: Sequence[TrackerBackend], journal_dir: Path,
-                 *, interval: float = 1.0) -> None:
+    def __init__(self, run: RunInfo, targets: Mapping[str, str], journal_dir: Path, *,
+                 interval: float = WRITE_INTERVAL, linger: float = LINGER) -> None:
         self.run = run
+        self.targets = dict(targets)
         self.journal = Journal(journal_dir)
-        self.journal.describe_run(run, [b.name for b in backends])
-        self._states = [_State(b, self.journal.cursor(b.name)) for b in backends]
+        self.journal.describe_run(run, self.targets)
         self._interval = interval
-        self._queue: deque[Event] = deque()
-        self._lock = threading.Lock()  # guards the queue and journal appends
+        self._lock = threading.Lock()  # guards the queue, the sequence number and the marks
+        self._write_lock = threading.Lock()  # one batch append at a time
+        self._lines: list[str] = []
+        self._marks: dict[str, dict[str, int]] = {}  # group -> key -> highest step journaled
+        self._recent: dict[str, dict[tuple, int]] = {}  # group -> keys -> step, not yet in _marks
+        self._group_max: dict[str, int] = {}
+        self._keys: dict[tuple, tuple[str, struct.Struct]] = {}
+        self._groups: dict[str, str] = {}
+        self._senders: list[SenderProcess] = []
+        self._closed = threading.Event()
         self._wake = threading.Event()
-        self._passes = 0  # delivery passes completed by the sender
-        self._passed = threading.Condition()
-        self._stop = threading.Event()
-        self._recent: deque[tuple[int, Event]] = deque(maxlen=MAX_QUEUED)
-        backlog = {s.backend.name: self.journal.pending(s.backend.name) for s in self._states}
+        if not self.targets:
+            return
+        token = uuid.uuid4().hex
+        self.journal.claim(token)
+        self._marks = self.journal.load_marks()
+        self._group_max = {g: max(m.values()) for g, m in self._marks.items() if m}
+        self._seq = self._marks_saved = self.journal.last_seq
+        self._opened_at = {b: self.journal.cursor(b).seq for b in self.targets}
+        backlog = {b: self.journal.pending(b) for b in self.targets}
         if any(backlog.values()):
-            log.info("tracking: replaying undelivered events from %s: %s", journal_dir, backlog)
-        self._thread = threading.Thread(target=self._run, name="det-lab-mirror", daemon=True)
-        if self._states:
-            self._thread.start()
+            log.info("tracking: undelivered events in %s are sent first: %s", journal_dir, backlog)
+        self._senders = [SenderProcess(journal_dir, b, token, linger) for b in self.targets]
+        for s in self._senders:
+            s.start()
+        self._thread = threading.Thread(target=self._run, name="det-lab-journal", daemon=True)
+        self._thread.start()
         self.set_tags({"det_lab.run_key": run.key, **run.tags})
 
     # --- the training thread's side ------------------------------------------------------------
 
     def log_metrics(self, group: str, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record a metric group at ``step``. Non-numeric values are skipped."""
-        values = {k: v for k, v in numeric(metrics).items() if not math.isnan(v)}
-        if values:
-            self._put(Metrics(group, int(step), values))
+        """Record a metric group at ``step``. Non-numeric values are skipped, NaN too; a key
+        already journaled at this step or a later one is dropped (one value per key and step)."""
+        if not self._senders:
+            return
+        step = int(step)
+        try:  # the fast way: keys seen before, plain numbers
+            keys = tuple(metrics)
+            keys_json, packer = self._keys.get(keys) or self._remember(keys)
+            packed = packer.pack(*metrics.values(), time.time())
+        except Exception:  # a value that is not a plain number: the slow, careful way
+            values = numeric(metrics)
+            keys = tuple(values)
+            keys_json, packer = self._keys.get(keys) or self._remember(keys)
+            packed = packer.pack(*values.values(), time.time())
+        if not keys:
+            return
+        with self._lock:
+            top = self._group_max.get(group)
+            if top is None or step > top:
+                self._group_max[group] = step
+                self._recent.setdefault(group, {})[keys] = step
+            else:  # a step at or below one already journaled: keep only keys not yet at it
+                marks = self._fold(group)
+                keep = [i for i, k in enumerate(keys) if marks.get(k, -math.inf) < step]
+                if not keep:
+                    return
+                if len(keep) < len(keys):
+                    unpacked = packer.unpack(packed)
+                    keys = tuple(keys[i] for i in keep)
+                    keys_json, packer = self._keys.get(keys) or self._remember(keys)
+                    packed = packer.pack(*(unpacked[i] for i in keep), unpacked[-1])
+                marks.update(dict.fromkeys(keys, step))
+            self._seq += 1
+            self._lines.append(f'{{"seq":{self._seq},"kind":"metrics","group":{self._group_json(group)},'
+                               f'"step":{step},"keys":{keys_json},"f64t":"{packed.hex()}"}}\n')
+            if len(self._lines) >= MAX_QUEUED:
+                self._wake.set()
+
+    def _remember(self, keys: tuple) -> tuple[str, struct.Struct]:
+        """How lines encode a set of keys: their JSON, and a packer for their values and the time."""
+        if len(self._keys) >= _KEYS_CACHE_MAX:
+            self._keys.clear()
+        entry = self._keys[keys] = (json.dumps([str(k) for k in keys]), struct.Struct(f"{len(keys) + 1}d"))
+        return entry
+
+    def _group_json(self, group: str) -> str:
+        encoded = self._groups.get(group)
+        if encoded is None:
+            encoded = self._groups[group] = json.dumps(str(group))
+        return encoded
+
+    def _fold(self, group: str) -> dict[str, int]:
+        """The group's marks, with the steps recorded since the last fold merged in. Caller holds the lock."""
+        marks = self._marks.setdefault(group, {})
+        for keys, step in self._recent.pop(group, {}).items():
+            for key in keys:
+                if marks.get(key, -math.inf) < step:
+                    marks[key] = step
+        return marks
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         """Record hyperparameters (nested dicts become dotted keys)."""
@@ -124,129 +195,95 @@ class Mirror:
         self._put(Artifact(str(path), name, int(step), media))
 
     def _put(self, event: Event) -> None:
-        if not self._states:
+        if not self._senders:
             return
         with self._lock:
-            self._queue.append(event)
-            if len(self._queue) >= MAX_QUEUED:  # sender is behind: make room on disk, not in RAM
-                self._journal_queue()
+            self._seq += 1
+            self._lines.append(encode(self._seq, event))
 
     # --- control ---------------------------------------------------------------------------------
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Journal everything recorded so far and give the sender one pass to deliver it.
+        """Journal everything recorded so far and give the senders up to ``timeout`` s to deliver it.
 
         Returns True when every backend has everything. Call it before a checkpoint or on
         preemption: events are durable once this returns, delivered or not. A tracker that is
         down is not waited for: its events stay in the journal.
         """
-        with self._lock:
-            self._journal_queue()
-        if not self._states or not self._thread.is_alive():
-            return not self._states
-        with self._passed:
-            target = self._passes + 2  # the next pass may have started before our events were journaled
-            self._wake.set()
-            self._passed.wait_for(lambda: self._passes >= target, timeout)
-        return all(self.journal.pending(s.backend.name) == 0 for s in self._states)
+        if not self._senders:
+            return True
+        self._write(save_marks=True)
+        return self._catch_up(time.monotonic() + timeout, closing=False)
 
     def close(self, status: RunStatus = "FINISHED", timeout: float = 10.0) -> DeliverySummary:
-        """Deliver what can be delivered within ``timeout``, end the runs, and summarise."""
-        self.flush(timeout)
-        self._stop.set()
-        self._wake.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=timeout)
+        """Journal the rest, mark the run ended, give the senders ``timeout`` s to deliver it
+        (plus the time a sender needs to start), and summarise."""
         summary = DeliverySummary(self.journal.directory)
-        for s in self._states:
-            pending = self.journal.pending(s.backend.name)
-            if s.opened and pending == 0:
-                try:
-                    s.backend.close(status)
-                except Exception as exc:  # the record is complete; only the end status is missing
-                    log.warning("tracking: could not mark the %s run %s: %s", s.backend.describe(), status, exc)
-            summary.backends.append(BackendSummary(s.backend.name, s.delivered, pending, s.cursor.run_id, s.error))
+        if not self._senders:
+            return summary
+        self._closed.set()
+        self._wake.set()
+        self._thread.join(timeout=30)
+        self._write(save_marks=True)
+        self.journal.mark_end(status)
+        self.journal.close()
+        self._catch_up(time.monotonic() + timeout, closing=True)
+        for s in self._senders:
+            s.detach(wait=5 if self.journal.pending(s.backend) == 0 else 0)
+        for name in self.targets:
+            cursor = self.journal.cursor(name)
+            summary.backends.append(BackendSummary(name, cursor.seq - self._opened_at[name],
+                                                   self.journal.pending(name), cursor.run_id, cursor.error))
         log.info("%s", summary)
         return summary
 
-    # --- the sender thread -----------------------------------------------------------------------
+    def _catch_up(self, deadline: float, closing: bool) -> bool:
+        for s in self._senders:
+            s.supervise()
+        if closing:  # the time a sender needs to start does not count against the close timeout
+            started = time.monotonic()
+            for s in self._senders:
+                s.wait_ready(started + STARTUP_GRACE)
+            deadline += time.monotonic() - started
+        requests = [(s, s.request(self.journal.last_seq, closing)) for s in self._senders]
+        for s, rid in requests:
+            s.wait(rid, deadline)
+        return all(self.journal.pending(b) == 0 for b in self.targets)
 
-    def _journal_queue(self) -> None:
-        """Move queued events into the journal. Caller holds ``self._lock``."""
-        if not self._queue:
-            return
-        events = list(self._queue)
-        self._queue.clear()
-        last = self.journal.append(events)
-        first = last - len(events) + 1
-        self._recent.extend(zip(range(first, last + 1), events))
+    # --- the writer thread -----------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        last_check = time.monotonic()
+        while not self._closed.is_set():
             self._wake.wait(self._interval)
             self._wake.clear()
-            stopping = self._stop.is_set()
-            try:
-                with self._lock:
-                    self._journal_queue()
-                for s in self._states:
-                    self._deliver(s, force=stopping)
-                self.journal.compact(s.backend.name for s in self._states)
-            except Exception:  # never let the sender die: the journal keeps everything
-                log.exception("tracking: sender error (events stay in %s)", self.journal.directory)
-            with self._passed:
-                self._passes += 1
-                self._passed.notify_all()
-            if stopping:
+            self._write(save_marks=False)
+            if time.monotonic() - last_check >= SUPERVISE_INTERVAL:
+                last_check = time.monotonic()
+                for s in self._senders:
+                    s.supervise()
+
+    def _write(self, save_marks: bool) -> None:
+        """Append the queued lines to the journal, save the marks now and then, wake the senders."""
+        with self._write_lock:
+            with self._lock:
+                lines, self._lines = self._lines, []
+                seq = self._seq
+                marks = None
+                if save_marks or seq - self._marks_saved >= MARKS_EVERY:
+                    marks = {g: dict(self._fold(g)) for g in list(self._group_max)}
+            if not lines and marks is None:
                 return
-
-    def _deliver(self, s: _State, force: bool = False) -> None:
-        now = time.monotonic()
-        if now < s.next_try and not force:
-            return
-        try:
-            if not s.opened:
-                run_id = s.backend.open(self.run, s.cursor.run_id)
-                s.cursor = Cursor(s.cursor.seq, run_id)
-                self.journal.advance(s.backend.name, s.cursor)
-                s.opened = True
-            while True:
-                batch = self._pending(s.cursor.seq)
-                if not batch:
-                    break
-                s.backend.deliver([e for _, e in batch])
-                s.cursor = Cursor(batch[-1][0], s.cursor.run_id)
-                self.journal.advance(s.backend.name, s.cursor)
-                s.delivered += len(batch)
-        except Exception as exc:
-            s.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
-            if s.down_since is None:
-                s.down_since = now
-                log.warning("tracking: %s unreachable (%s); events are kept in %s and sent when it returns",
-                            s.backend.describe(), s.error, self.journal.directory)
-            s.next_try = now + s.backoff
-            s.backoff = min(s.backoff * 2, MAX_BACKOFF)
-            return
-        if s.down_since is not None:
-            log.warning("tracking: %s is back; caught up after %.0f s down (%d events delivered so far)",
-                        s.backend.describe(), now - s.down_since, s.delivered)
-        s.down_since, s.backoff, s.error = None, 1.0, None
-
-    def _pending(self, after: int) -> list[tuple[int, Event]]:
-        """The next batch after ``after``: from memory when recent, else from the journal."""
-        with self._lock:
-            if self._recent and self._recent[0][0] <= after + 1:
-                return _cut([(q, e) for q, e in self._recent if q > after])
-        return _cut(self.journal.read_after(after, MAX_BATCH))
-
-
-def _cut(batch: list[tuple[int, Event]]) -> list[tuple[int, Event]]:
-    """At most MAX_BATCH metric values per batch (a Metrics event may hold several)."""
-    out, values = [], 0
-    for q, e in batch:
-        n = len(e.values) if isinstance(e, Metrics) else 1
-        if out and values + n > MAX_BATCH:
-            break
-        out.append((q, e))
-        values += n
-    return out
+            try:
+                if lines:
+                    self.journal.write_lines(lines)
+                if marks is not None and seq != self._marks_saved:
+                    self.journal.save_marks(seq, marks)
+                    self._marks_saved = seq
+            except OSError as exc:  # a full or lost volume: keep the lines and try again
+                log.warning("tracking: cannot write the journal in %s (%s); retrying", self.journal.directory, exc)
+                with self._lock:
+                    self._lines[:0] = lines
+                return
+            for s in self._senders:
+                s.wake()

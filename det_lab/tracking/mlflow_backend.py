@@ -15,6 +15,7 @@ from pathlib import Path
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags
+from det_lab.tracking.targets import default_local_uri, default_mlflow_store
 
 RUN_KEY_TAG = "det_lab.run_key"
 MAX_METRICS, MAX_PARAMS_TAGS = 1000, 100
@@ -25,22 +26,11 @@ os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
 
 
-def _local_base() -> Path:
-    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share") / "det-lab"
-    base.mkdir(parents=True, exist_ok=True)
-    return base
-
-
 def _json_double(value: float) -> float | str:
     """Protobuf's JSON form of a double: infinities as strings (bare ``Infinity`` is not JSON)."""
     if math.isfinite(value):
         return value
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
-
-
-def default_local_uri() -> str:
-    """A SQLite store on local disk (never on NFS): ``~/.local/share/det-lab/mlflow.db``."""
-    return f"sqlite:///{_local_base() / 'mlflow.db'}"
 
 
 class MlflowBackend(TrackerBackend):
@@ -63,7 +53,7 @@ class MlflowBackend(TrackerBackend):
         if exp is None:
             # with a local store, MLflow would put artifacts in ./mlruns of the trial's working
             # directory (the template, which Determined copies into every checkpoint)
-            location = None if self.uri.startswith("http") else (_local_base() / "mlflow-artifacts").as_uri()
+            location = None if self.uri.startswith("http") else (default_mlflow_store() / "mlflow-artifacts").as_uri()
             exp_id = client.create_experiment(run.experiment, artifact_location=location)
         else:
             exp_id = exp.experiment_id

@@ -22,6 +22,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(host: str, port: int) -> bool:
+    """Whether ``host:port`` cannot be bound (another server listens there)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
 @dataclass
 class MlflowServer:
     """``mlflow server`` with its store under ``root``; ``stop()`` then ``start()`` keeps the data."""
@@ -30,6 +41,7 @@ class MlflowServer:
     port: int
     host: str = "127.0.0.1"
     artifacts: Path | None = None
+    store_uri: str | None = None  # default: SQLite in root/mlflow.db
     proc: subprocess.Popen | None = None
 
     @property
@@ -39,10 +51,10 @@ class MlflowServer:
     def command(self) -> list[str]:
         exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
         return [exe, "server", "--host", self.host, "--port", str(self.port), "--workers", "1",
-                "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}",
+                "--backend-store-uri", self.store_uri or f"sqlite:///{self.root / 'mlflow.db'}",
                 "--artifacts-destination", str(self.artifacts or self.root / "artifacts")]
 
-    def start(self, timeout: float = 90.0) -> MlflowServer:
+    def start(self, timeout: float = 180.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, start_new_session=True,

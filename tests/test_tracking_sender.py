@@ -1,0 +1,227 @@
+"""Delivery in its own process: a killed trial or a killed sender loses and doubles nothing, sync
+uses the run's recorded tracker, replayed steps are kept once, two processes share the journal."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from det_lab.tracking import journal as journal_mod
+from det_lab.tracking.events import Metrics, RunInfo
+from det_lab.tracking.journal import Cursor, Journal, JournalReader
+from det_lab.tracking.mirror import Mirror
+from det_lab.tracking.mlflow_backend import RUN_KEY_TAG
+from det_lab.tracking.sender import sender_lock
+
+ROOT = Path(__file__).parent.parent
+
+
+def run_info(key: str) -> RunInfo:
+    return RunInfo(key=key, name=key, experiment="det_lab-sender-tests")
+
+
+def mlflow_points(uri: str, key: str, metric: str = "training/loss") -> list[tuple[int, float]]:
+    """Every stored point of ``metric`` in the run with ``key``, duplicates included."""
+    client = MlflowClient(uri)
+    exp = client.get_experiment_by_name("det_lab-sender-tests")
+    (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'")
+    return sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, metric))
+
+
+def journaled_points(journal: Path, metric: str = "loss") -> list[tuple[int, float]]:
+    events = Journal(journal).read_after(0, 10**6)
+    return sorted((e.step, e.values[metric]) for _, e in events if isinstance(e, Metrics) and metric in e.values)
+
+
+def wait_for_senders(journal: Path, timeout: float = 240) -> None:
+    """Until the sender has started (it writes its pid into its lock) and exited again."""
+    lock = journal / "sender-mlflow.lock"
+    deadline = time.monotonic() + 60
+    while not (lock.exists() and lock.read_text().strip()):
+        assert time.monotonic() < deadline, "no sender started"
+        time.sleep(0.2)
+    with sender_lock(journal, "mlflow", timeout=timeout):
+        pass
+
+
+TRIAL = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from det_lab.tracking.events import RunInfo
+    from det_lab.tracking.mirror import Mirror
+    uri, journal = sys.argv[1], Path(sys.argv[2])
+    m = Mirror(RunInfo(key="killed", name="killed", experiment="det_lab-sender-tests"), {"mlflow": uri}, journal)
+    for step in range(1, 4001):
+        m.log_metrics("training", step, {"loss": step / 7, "lr": 0.1})
+        if step == 1000:
+            m.flush(timeout=1)
+            print("flushed", flush=True)
+        time.sleep(0.001)
+    print("not killed", flush=True)
+""")
+
+
+def test_sigkill_of_the_trial_delivers_every_journaled_point_once(mlflow_server, tmp_path):
+    journal = tmp_path / "journal"
+    trial = subprocess.Popen([sys.executable, "-c", TRIAL, mlflow_server.uri, str(journal)], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    assert trial.stdout.readline().strip() == "flushed"
+    time.sleep(0.5)  # mid-run: more steps journaled since, some only queued
+    trial.send_signal(signal.SIGKILL)
+    trial.wait(timeout=30)
+    wait_for_senders(journal)  # the sender outlives the trial, delivers, exits
+    journaled = journaled_points(journal)
+    assert len(journaled) >= 1000 and journaled == [(s, s / 7) for s in range(1, len(journaled) + 1)]
+    assert mlflow_points(mlflow_server.uri, "killed") == journaled  # each exactly once
+    assert Journal(journal).pending("mlflow") == 0
+
+
+def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(mlflow_server, tmp_path):
+    mirror = Mirror(run_info("sender-killed"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.05)
+    sender = mirror._senders[0]
+    killed, delivered = 0, 0
+    for step in range(1, 3001):
+        mirror.log_metrics("training", step, {"loss": float(step)})
+        if step % 1000 == 0:
+            deadline = time.monotonic() + 120
+            while mirror.journal.cursor("mlflow").seq <= delivered:  # the (restarted) sender is at work
+                assert time.monotonic() < deadline, "the sender delivers nothing"
+                time.sleep(0.01)
+            delivered = mirror.journal.cursor("mlflow").seq
+            os.kill(sender.proc.pid, signal.SIGKILL)
+            sender.proc.wait()
+            killed += 1
+        time.sleep(0.0005)
+    summary = mirror.close(timeout=120)
+    assert summary.complete, str(summary)
+    assert sender.restarts == killed
+    assert mlflow_points(mlflow_server.uri, "sender-killed") == [(s, float(s)) for s in range(1, 3001)]
+
+
+def test_resumed_trial_replaying_steps_keeps_one_value_per_step(mlflow_server, tmp_path):
+    journal = tmp_path / "journal"
+    first = Mirror(run_info("replayed"), {"mlflow": mlflow_server.uri}, journal)
+    for step in range(1, 101):
+        first.log_metrics("training", step, {"loss": float(step)})
+        first.log_metrics("validation", step, {"val": 1.0})
+    first.close(status="KILLED")  # crashed at step 100, last checkpoint at step 50
+    second = Mirror(run_info("replayed"), {"mlflow": mlflow_server.uri}, journal)
+    for step in range(51, 151):
+        second.log_metrics("training", step, {"loss": step + 0.5, "new": 1.0})
+    assert second.close().complete
+    expected = [(s, float(s)) for s in range(1, 101)] + [(s, s + 0.5) for s in range(101, 151)]
+    assert mlflow_points(mlflow_server.uri, "replayed") == expected
+    assert [s for s, _ in mlflow_points(mlflow_server.uri, "replayed", "training/new")] == list(range(51, 151))
+
+
+def test_sync_delivers_to_the_recorded_tracker_and_a_failed_sync_changes_nothing(lab, mlflow_server, tmp_path):
+    journal = lab.root / "outputs" / "vla" / "tracking-journal" / "recorded"
+    mlflow_server.stop()
+    try:
+        mirror = Mirror(run_info("recorded"), {"mlflow": mlflow_server.uri}, journal, linger=0)
+        for step in range(1, 51):
+            mirror.log_metrics("training", step, {"loss": float(step)})
+        assert mirror.close(timeout=2).backends[0].pending == 51
+        wait_for_senders(journal, timeout=30)  # it gave up at once (linger 0)
+        before = {p.name: p.read_bytes() for p in journal.glob("seg-*")}
+        # the lab config names no tracker and the shell has no MLFLOW_TRACKING_URI
+        failed = lab.cli("tracking", "sync", str(journal))
+        assert failed.returncode == 1 and "51 events still undelivered" in failed.stderr
+        assert {p.name: p.read_bytes() for p in journal.glob("seg-*")} == before
+    finally:
+        mlflow_server.start()
+    proc = lab.cli("tracking", "sync", str(journal))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert mlflow_points(mlflow_server.uri, "recorded") == [(s, float(s)) for s in range(1, 51)]
+    run_json = journal / "run.json"
+    data = json.loads(run_json.read_text())
+    del data["targets"]  # a journal that does not say where its events go is refused, not guessed
+    run_json.write_text(json.dumps(data))
+    refused = lab.cli("tracking", "sync", str(journal))
+    assert refused.returncode == 2 and refused.stderr.startswith("error:") and len(refused.stderr.splitlines()) == 1
+    assert "does not record where its events go" in refused.stderr
+
+
+def test_reader_takes_only_whole_lines_while_the_writer_appends(tmp_path):
+    journal = Journal(tmp_path)
+    journal.append([Metrics("training", s, {"loss": float(s)}) for s in range(1, 4)])
+    reader = JournalReader(tmp_path)
+    segment = journal.segments()[-1]
+    line = journal_mod.encode(4, Metrics("training", 4, {"loss": 4.0}))
+    with open(segment, "a") as f:
+        f.write(line[:15])  # a write in progress (or torn by a crash)
+    assert [q for q, _ in reader.read(0, 100)] == [1, 2, 3]
+    assert reader.read(3, 100) == []
+    with open(segment, "a") as f:
+        f.write(line[15:])
+    assert [(q, e.values) for q, e in reader.read(3, 100)] == [(4, {"loss": 4.0})]
+
+
+def test_marks_survive_compaction_and_restarts(tmp_path, monkeypatch):
+    monkeypatch.setattr(journal_mod, "SEGMENT_EVENTS", 10)
+    journal = Journal(tmp_path)
+    journal.append([Metrics("training", s, {"loss": 1.0, "acc": 1.0}) for s in range(1, 26)])
+    journal.save_marks(20, {"training": {"loss": 20, "acc": 20}})
+    journal.append([Metrics("training", s, {"loss": 1.0}) for s in range(26, 31)])
+    journal.advance("mlflow", Cursor(30))
+    journal.compact(["mlflow"])  # events after the saved marks (21-30) are kept
+    assert [q for q, _ in Journal(tmp_path).read_after(0, 100)][0] <= 21
+    assert Journal(tmp_path).load_marks() == {"training": {"loss": 30, "acc": 25}}
+
+
+@pytest.mark.parametrize("port, message", [(0, "is not a TCP port"), (70000, "is not a TCP port"), (None, "is in use")])
+def test_serve_refuses_a_bad_or_busy_port_at_once(lab, port, message):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        started = time.monotonic()
+        proc = lab.cli("tracking", "serve", "--port", str(busy.getsockname()[1] if port is None else port))
+    assert time.monotonic() - started < 30
+    assert proc.returncode == 2 and proc.stderr.startswith("error:") and message in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path):
+    from det_lab.tracking.mlflow_backend import MlflowBackend
+    from det_lab.tracking.mlflow_server import free_port
+
+    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
+    os.environ["XDG_DATA_HOME"] = env["XDG_DATA_HOME"]  # where a local run (no tracking URI) writes
+    try:
+        backend = MlflowBackend()
+        run_id = backend.open(run_info("local-run"), None)
+        backend.close("FINISHED")
+    finally:
+        del os.environ["XDG_DATA_HOME"]
+    port = free_port()
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        client = MlflowClient(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                assert client.get_run(run_id).info.status == "FINISHED"
+                break
+            except Exception:
+                if serve.poll() is not None or time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
+        server_pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
+        assert server_pids == []
+    finally:
+        if serve.poll() is None:
+            serve.kill()
