@@ -155,6 +155,21 @@ def share_with_group() -> int:
     return old
 
 
+def share_tree(root: Path) -> None:
+    """Give the group what the owner has under ``root``, which this user just wrote: for trees
+    copied with their source's modes (``shutil.copytree``), where the umask does not apply.
+    Directories also get setgid, so the volume's group stays on what is created in them."""
+    for dirpath, _dirs, files in os.walk(root):
+        for path in (dirpath, *(os.path.join(dirpath, f) for f in files)):
+            st = os.lstat(path)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            mode = stat.S_IMODE(st.st_mode)
+            shared = mode | (mode & 0o700) >> 3 | (stat.S_ISGID if stat.S_ISDIR(st.st_mode) else 0)
+            if shared != mode:
+                os.chmod(path, shared)
+
+
 def is_initialised(layout: VolumeLayout) -> bool:
     return layout.marker.is_file()
 

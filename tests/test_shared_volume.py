@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs root and useradd to make two real Unix users in one group",
 )
 
+TINY_PYTORCH_TRIAL = Path(__file__).parent / "fixtures" / "tiny"
 TRIAL = """\
 import json, os, pathlib
 import det_lab.core
@@ -98,7 +99,7 @@ def _add_user(name: str, group: str, base: Path) -> User:
     pw = pwd.getpwnam(name)
     home = base / f"home-{name}"
     home.mkdir(mode=0o700)
-    # git (< 2.42 ignores -c safe.directory) refuses repositories another user owns: the dataset
+    # git (2.39 ignores -c safe.directory) refuses repositories another user owns: the dataset
     # repos on the volume are the team's, which each member states once in ~/.gitconfig
     (home / ".gitconfig").write_text("[safe]\n\tdirectory = *\n")
     for p in (home, home / ".gitconfig"):
@@ -123,6 +124,9 @@ def _venv_for(user: User, base: Path) -> Path:
     purelib = subprocess.run([venv / "bin/python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                              check=True, capture_output=True, text=True).stdout.strip()
     (Path(purelib) / "test_venv.pth").write_text(f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
+    probe = subprocess.run([venv / "bin/python", "-c", "import det_lab.cli.app"], user=user.uid, capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"det_lab cannot be imported by another user here (a checkout under /root?): {probe.stderr[-200:]!r}")
     script = venv / "bin/det-lab"
     script.write_text(f"#!{venv}/bin/python\nfrom det_lab.cli.app import main\nmain()\n")
     script.chmod(0o755)
@@ -186,8 +190,9 @@ def _publish_tiny_dataset(team: Team) -> None:
     """The admin (root) publishes a small dataset the trial pulls (git + DVC, written by DVC)."""
     src = team.base / "tiny-src"
     src.mkdir()
-    for i in range(5):
-        (src / f"part-{i}.csv").write_text("".join(f"{i},{j}\n" for j in range(100)))
+    rows = [f"{x / 100:.2f},{3 * x / 100 + 0.5:.3f}\n" for x in range(-100, 100)]
+    (src / "train.csv").write_text("".join(rows[::2]))
+    (src / "val.csv").write_text("".join(rows[1::2]))
     publish_directory(load_settings(team.base / "lab.yaml", env={}), "vla", "tiny-data", src, "tiny")
 
 
@@ -197,7 +202,7 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
     _publish_tiny_dataset(team)
     first = team.det_lab(team.a, "run", str(team.base / "trial"), "--local", env={"STOP_AT": "20"})
     assert first.returncode == 0, first.stdout + first.stderr
-    (run_dir,) = [p for p in (team.data / "outputs/vla/local-runs").iterdir() if not p.name.startswith(".")]
+    (run_dir,) = list((team.data / "outputs/vla/local-runs").iterdir())
     ckpts = team.data / "checkpoints/vla"
     assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid}
     assert (run_dir / "tracking-journal").is_dir()
@@ -212,6 +217,12 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
     assert stat.S_IMODE(snapshots.stat().st_mode) & 0o2070 == 0o2070
     assert {p.lstat().st_gid for p in snapshots.rglob("*")} == {team.gid}
 
+    # a PyTorchTrial's checkpoints carry a copy of the code, which Determined makes 0755
+    tiny = team.det_lab(team.a, "run", str(TINY_PYTORCH_TRIAL), "--local")
+    assert tiny.returncode == 0, tiny.stdout + tiny.stderr
+    codes = list(ckpts.glob("*/code"))
+    assert codes and [bad for c in codes for bad in _not_shared(c, team)] == []
+
     resumed = team.det_lab(team.b, "run", str(team.base / "trial"), "--local", "--resume", "--run", run_dir.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     state = yaml.safe_load((run_dir / "run.json").read_text())
@@ -219,10 +230,11 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
     assert len(state["checkpoints"]) == 4
     assert {p.stat().st_uid for p in ckpts.iterdir()} == {team.a.uid, team.b.uid}
 
-    # b cleans up a's run: the run directory, every checkpoint (a's and b's), the dataset cache
+    # b cleans up a's runs: the run directories, every checkpoint (a's and b's), the dataset cache
     cache = team.data / "dvc-cache/vla"
-    rm = subprocess.run(["rm", "-rf", str(run_dir), *map(str, ckpts.iterdir()), *map(str, cache.iterdir())],
+    runs = team.data / "outputs/vla/local-runs"
+    rm = subprocess.run(["rm", "-rf", *map(str, runs.iterdir()), *map(str, ckpts.iterdir()), *map(str, cache.iterdir())],
                         user=team.b.uid,
                         group=team.b.gid, extra_groups=[team.gid], capture_output=True, text=True)
     assert rm.returncode == 0, rm.stderr
-    assert not run_dir.exists() and list(ckpts.iterdir()) == [] and list(cache.iterdir()) == []
+    assert list(runs.iterdir()) == [] and list(ckpts.iterdir()) == [] and list(cache.iterdir()) == []
