@@ -32,7 +32,6 @@ import hashlib
 import inspect
 import logging
 import math
-import os
 import socket
 import time
 import weakref
@@ -44,7 +43,7 @@ from urllib.parse import urlsplit
 
 from det_lab.tracking.backend import RunStatus, TrackerBackend
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags
-from det_lab.tracking.targets import default_local_repo
+from det_lab.tracking.targets import default_local_repo  # noqa: F401 (where readers import it from)
 
 logger = logging.getLogger(__name__)
 
