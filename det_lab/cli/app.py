@@ -20,6 +20,8 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     add_completion=False,
+    # plain help, like git's: rich panels print a '<bool>' type for every flag
+    rich_markup_mode=None,
 )
 
 

@@ -307,7 +307,7 @@ def template(
 ) -> None:
     """Render det_lab's config template (volume mounts, variables) and optionally register it.
 
-    JupyterLab, commands and experiments started with ``--template det-lab`` (or picked in the
+    JupyterLab, commands and experiments started with '--template det-lab' (or picked in the
     Web UI) then see the NFS volume at its host paths.
     """
     lab, cluster = _load(ctx)
