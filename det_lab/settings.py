@@ -146,8 +146,9 @@ def env_value(name: str, default: Any = None, env: Mapping[str, str] | None = No
     try:
         return var.parse(text)
     except ValueError:
+        key = f"{ENV_OVERRIDES[name]}: " if name in ENV_OVERRIDES else ""
         raise LabConfigError(
-            f"environment variable {name}={text}: must be {var.parse.__doc__}; fix or unset it"
+            f"environment variable {name}={text}: {key}must be {var.parse.__doc__}; fix or unset it"
         ) from None
 
 
@@ -314,6 +315,25 @@ def load_settings(
         _set_dotted(raw, key, value)
         _validate(raw, lambda k, var=var, value=value: f"environment variable {var}={value}: {k}")
     return LabSettings.model_validate({**raw, "source": file})
+
+
+def check_writable(*dirs: Path) -> None:
+    """Raise :class:`LabConfigError` unless a file can be created in each of ``dirs`` (or, for one
+    not made yet, its nearest existing parent): a read-only mount, root_squash or a missing group
+    write bit all show up here, before any work starts."""
+    for d in dirs:
+        while not d.is_dir() and d.parent != d:
+            d = d.parent
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".det-lab-probe-", dir=d)
+        except OSError as exc:
+            raise LabConfigError(
+                f"{d} is not writable ({exc.strerror}): remount the data volume read-write or fix its "
+                "permissions ('det-lab doctor' checks both), or point data_root / DET_LAB_DATA_ROOT "
+                "at a writable volume"
+            ) from None
+        os.close(fd)
+        os.unlink(probe)
 
 
 def read_yaml_mapping(file: Path, error: type[Exception] = LabConfigError) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from det_lab.settings import ENV_VARS
-from tests.conftest import VENV_BIN
+from tests.conftest import VENV_BIN, Lab
 
 
 def assert_refused(proc: subprocess.CompletedProcess, *needles: str, code: int = 2) -> str:
@@ -72,3 +72,237 @@ def test_readme_documents_every_environment_variable():
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     missing = [name for name in ENV_VARS if f"`{name}`" not in readme]
     assert not missing, f"README lacks {missing}"
+
+
+# --- the volume: a damaged registry, a read-only mount ----------------------------------------
+
+@pytest.fixture
+def volume(lab):
+    lab.cli("init", check=True)
+    return lab
+
+
+def publish_tiny(lab, tmp_path: Path, name: str = "tiny") -> None:
+    from det_lab.data.publish import publish_directory
+    from det_lab.settings import load_settings
+
+    src = tmp_path / "src"
+    (src / "a").mkdir(parents=True)
+    (src / "a" / "x.bin").write_bytes(b"x" * 100)
+    (src / "y.bin").write_bytes(b"y" * 50)
+    publish_directory(load_settings(lab.config, env={}), "vla", name, src, "tiny")
+
+
+DAMAGED_REGISTRIES = {
+    "invalid YAML": "tiny: {project: vla, repo: /r\n",
+    "a list": "- tiny\n- other\n",
+    "an entry without its keys": "tiny: {project: vla}\n",
+    "an absolute dataset path": "tiny: {project: vla, repo: /r, path: /etc, rev: main}\n",
+    "not UTF-8": b"tiny: {project: vla, repo: /r\xe9, path: d, rev: main}\n",
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGED_REGISTRIES))
+def test_damaged_dataset_registry(volume, tmp_path, case):
+    registry = volume.root / ".det-lab" / "datasets.yaml"
+    text = DAMAGED_REGISTRIES[case]
+    registry.write_bytes(text if isinstance(text, bytes) else text.encode())
+    before = snapshot_tree(volume.root)
+    for args in (["data", "pull", "tiny"], ["data", "list"],
+                 ["data", "register", "new", "--project", "vla", "--repo", str(tmp_path), "--path", "d"]):
+        line = assert_refused(volume.cli(*args), str(registry))
+        assert "det-lab data register" in line  # the fix: move it aside and register again
+    assert snapshot_tree(volume.root) == before
+
+
+def _can_mount_read_only() -> bool:
+    if os.geteuid() != 0:
+        return True  # chmod is enough for a non-root user
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount --bind -o ro / /"], capture_output=True)
+    return probe.returncode == 0
+
+
+needs_ro = pytest.mark.skipif(not _can_mount_read_only(), reason="cannot make a read-only mount here")
+
+
+def cli_read_only(lab, *args: str) -> subprocess.CompletedProcess:
+    """``det-lab ARGS`` with the data root on a read-only mount (a private mount namespace as root)."""
+    cmd = [str(VENV_BIN / "det-lab"), *args]
+    if os.geteuid() == 0:
+        cmd = ["unshare", "-m", "sh", "-c", 'mount --bind -o ro "$0" "$0" && exec "$@"', str(lab.root), *cmd]
+        return subprocess.run(cmd, env=lab.env, cwd=lab.config.parent, capture_output=True, text=True, timeout=300)
+    dirs = [lab.root, *(p for p in lab.root.rglob("*") if p.is_dir())]
+    modes = {d: d.stat().st_mode for d in dirs}
+    try:
+        for d in dirs:
+            os.chmod(d, modes[d] & ~0o222)
+        return subprocess.run(cmd, env=lab.env, cwd=lab.config.parent, capture_output=True, text=True, timeout=300)
+    finally:
+        for d in dirs:
+            os.chmod(d, modes[d])
+
+
+@needs_ro
+def test_init_on_a_read_only_volume_fails(volume):
+    before = snapshot_tree(volume.root)
+    assert_refused(cli_read_only(volume, "init"), str(volume.root), "not writable", "read-write")
+    assert snapshot_tree(volume.root) == before
+
+
+@needs_ro
+def test_pull_and_register_on_a_read_only_volume(volume, tmp_path):
+    publish_tiny(volume, tmp_path)
+    before = snapshot_tree(volume.root)
+    assert_refused(cli_read_only(volume, "data", "pull", "tiny"), "not writable", "read-write")
+    repo = volume.root / "datasets" / "vla" / "git" / "tiny.git"
+    assert_refused(cli_read_only(volume, "data", "register", "again", "--project", "vla", "--repo", str(repo),
+                                 "--path", "data/tiny"), "not writable", "read-write")
+    assert snapshot_tree(volume.root) == before
+    # once pulled, a read-only mount (how some machines mount the volume) serves the snapshot
+    volume.cli("data", "pull", "tiny", check=True)
+    proc = cli_read_only(volume, "data", "pull", "tiny")
+    assert proc.returncode == 0 and "already on the volume" in proc.stdout, proc.stderr
+
+
+# --- experiment configs: refused before anything is created -----------------------------------
+
+TEMPLATES = Path(__file__).parents[1] / "experiment_templates"
+SHIPPED = sorted(TEMPLATES.glob("*/*.yaml"))
+VALIDATE_EXPCONF = Path("/work/shared/tools/validate-expconf")
+
+
+def vla_config(**changes) -> dict:
+    import yaml
+
+    conf = yaml.safe_load((TEMPLATES / "vla" / "const.yaml").read_text())
+    conf["data"]["det_lab"]["dataset"] = "tiny"
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = conf
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return conf
+
+
+# configs a Determined 0.38.1 master rejects: (changes, what the error names)
+DETERMINED_REJECTS = {
+    "negative slots_per_trial": ({"resources__slots_per_trial": -1}, "resources.slots_per_trial"),
+    "unknown searcher": ({"searcher__name": "bayesian"}, "searcher.name: 'bayesian' is not a searcher"),
+    "unknown top-level key": ({"trainer": {"epochs": 3}}, "trainer: unknown key"),
+    "bad hyperparameter type": ({"hyperparameters__lr": {"type": "float", "minval": 0.1, "maxval": 1}},
+                                "hyperparameters.lr.type"),
+    "missing hyperparameter bound": ({"hyperparameters__lr": {"type": "double", "minval": 0.001}},
+                                     "hyperparameters.lr.maxval: is missing"),
+    "string hyperparameter bound": ({"hyperparameters__lr": {"type": "log", "base": 10, "minval": "-4", "maxval": -2}},
+                                    "hyperparameters.lr.minval"),
+    "bounds the wrong way round": ({"hyperparameters__model__d_model": {"type": "int", "minval": 64, "maxval": 32}},
+                                   "hyperparameters.model.d_model: minval (64) must be less than maxval (32)"),
+    "unknown resources key": ({"resources__gpus": 2}, "resources.gpus: unknown key"),
+    "bad validation period": ({"min_validation_period": {"steps": 5}}, "min_validation_period"),
+}
+# det_lab's own rules on top of Determined's: (changes, what the error names)
+LAB_REJECTS = {
+    "negative max_time": ({"searcher": {"name": "adaptive_asha", "metric": "val_action_l1", "max_trials": 2,
+                                        "time_metric": "batches", "max_time": -100}}, "searcher.max_time"),
+    "unknown dataset name": ({"data__det_lab__dataset": "no-such-data"}, "no dataset named 'no-such-data'"),
+    "bad dataset repo": ({"data__det_lab__dataset": {"repo": "/no/such/repo", "path": "data/x"}},
+                         "git repository /no/such/repo not found"),
+    "searcher without metric": ({"searcher": {"name": "single"}}, "searcher.metric: is missing"),
+    "no det_lab section": ({"data": {}}, "data.det_lab is missing"),
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Lab:
+    """One initialised volume with dataset 'tiny' published, for the tests that write nothing."""
+    tmp = tmp_path_factory.mktemp("shared")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    lab = Lab(tmp / "data", tmp / "lab.yaml", {**env, "DET_LAB_CONFIG": str(tmp / "lab.yaml"),
+                                                 "XDG_CONFIG_HOME": str(tmp / "xdg"), "COLUMNS": "200"})
+    lab.write_config()
+    lab.cli("init", check=True)
+    publish_tiny(lab, tmp)
+    return lab
+
+
+@pytest.fixture
+def tiny(shared):
+    from det_lab.settings import load_settings
+
+    return load_settings(shared.config, env={})
+
+
+@pytest.mark.parametrize("case", sorted(DETERMINED_REJECTS) + sorted(LAB_REJECTS))
+def test_preflight_refuses_before_anything_is_created(tiny, shared, case):
+    from det_lab.trials.validate import PreflightError, preflight
+
+    changes, expected = {**DETERMINED_REJECTS, **LAB_REJECTS}[case]
+    before = snapshot_tree(shared.root)
+    with pytest.raises(PreflightError) as info:
+        preflight(vla_config(**changes), tiny, "const.yaml")
+    assert "\n" not in str(info.value) and str(info.value).startswith("const.yaml: ")
+    assert expected in str(info.value)
+    assert snapshot_tree(shared.root) == before
+
+
+def test_preflight_refuses_a_dataset_over_quota(shared, tmp_path):
+    from det_lab.settings import load_settings
+    from det_lab.trials.validate import PreflightError, preflight
+    from det_lab.volume import VolumeLayout, project_usage
+
+    used = project_usage(VolumeLayout(shared.root), "vla")
+    config = tmp_path / "small-quota.yaml"
+    config.write_text(f"data_root: {shared.root}\nprojects: {{vla: {{quota: {used + 64}}}}}\n")
+    before = snapshot_tree(shared.root)
+    with pytest.raises(PreflightError, match="data.det_lab.dataset: project 'vla' would use .* quota"):
+        preflight(vla_config(), load_settings(config, env={}), "const.yaml")
+    assert snapshot_tree(shared.root) == before
+
+
+def test_preflight_accepts_the_shipped_config(tiny):
+    from det_lab.trials.validate import preflight
+
+    preflight(vla_config(), tiny, "const.yaml")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_every_shipped_config_passes_determined_rules(path):
+    import yaml
+
+    from det_lab.trials.validate import determined_errors
+
+    assert determined_errors(yaml.safe_load(path.read_text())) == []
+
+
+@pytest.mark.skipif(not VALIDATE_EXPCONF.exists(), reason="the 0.38.1 schema validator is not on this machine")
+def test_verdicts_agree_with_determined_schemas(tmp_path):
+    """The official 0.38.1 schemas accept every config we ship and reject each config that our
+    mirror of their rules rejects."""
+    import yaml
+
+    bad = []
+    for case, (changes, _) in DETERMINED_REJECTS.items():
+        bad.append(tmp_path / f"{case.replace(' ', '-')}.yaml")
+        bad[-1].write_text(yaml.safe_dump(vla_config(**changes)))
+    proc = subprocess.run([str(VALIDATE_EXPCONF), *map(str, SHIPPED + bad)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHON": str(VENV_BIN / "python")})
+    lines = proc.stdout.splitlines()
+    assert [p for p in SHIPPED if f"OK {p}" not in lines] == [], proc.stdout + proc.stderr
+    accepted = [p.name for p in bad if not any(line.startswith(f"{p}: ") for line in lines)]
+    assert accepted == [], f"the schemas accept {accepted}"
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("searcher: {name: single\n", "invalid YAML"),
+    (b"name: caf\xe9\n", "not UTF-8"),
+    ("- a list\n", "top level must be a mapping"),
+])
+def test_unreadable_experiment_config_is_one_line(tmp_path, tiny, text, expected):
+    from det_lab.trials.validate import PreflightError, load_and_check
+
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(PreflightError) as info:
+        load_and_check(path, tiny)
+    assert "\n" not in str(info.value) and str(path) in str(info.value) and expected in str(info.value)

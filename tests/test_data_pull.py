@@ -334,3 +334,106 @@ def test_register_checks_the_spec_and_list_shows_it(lab, volume, published):
     assert "toy-pinned" in proc.stdout and "data/toy@" in proc.stdout
     st = data.status("toy-pinned", volume)
     assert st.snapshot is not None and st.cached_files == st.total_files == 60
+
+
+# --- an empty directory, and snapshots changed after they were verified ----------------------
+
+def test_empty_directory_dataset(volume, tmp_path):
+    src = tmp_path / "empty"
+    src.mkdir()
+    publish_directory(volume, "vla", "empty", src, "an empty directory")
+    ds = data.pull("empty", volume)
+    assert ds.fetched and ds.path.is_dir() and list(ds.path.iterdir()) == []
+    assert ds.identity.nfiles == 0
+    assert not data.pull("empty", volume).fetched
+
+
+def _object(volume, md5: str) -> Path:
+    return VolumeLayout(volume.data_root).dvc_cache("vla") / "files" / "md5" / md5[:2] / md5[2:]
+
+
+def _md5(path: Path) -> str:
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def test_snapshot_file_rewritten_after_chmod_is_restored_on_the_next_pull(lab, volume, published):
+    spec, expected = published
+    first = data.pull("toy", volume)
+    victim = first.path / "part0" / "f00000.bin"
+    os.chmod(victim, 0o644)  # what a user does before writing into the read-only snapshot
+    victim.write_bytes(b"tampered")  # the same inode as the shared cache object
+    assert _md5(_object(volume, expected["part0/f00000.bin"])) != expected["part0/f00000.bin"]
+    proc = cli_pull(lab, "toy")
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    result = json.loads(out)
+    assert result["fetched"] is False and result["repaired"] == ["toy/part0/f00000.bin"]
+    assert "warning:" in err and "toy/part0/f00000.bin" in err
+    assert tree_md5(first.path) == expected
+    obj = _object(volume, expected["part0/f00000.bin"])
+    assert _md5(obj) == expected["part0/f00000.bin"] and os.path.samefile(obj, victim)
+    assert not os.stat(victim).st_mode & 0o222
+    assert data.pull("toy", volume).repaired == ()  # the record follows the repaired file
+
+
+def test_deleted_snapshot_file_is_relinked_from_the_cache(volume, published):
+    spec, expected = published
+    first = data.pull("toy", volume)
+    layout = VolumeLayout(volume.data_root)
+    (layout.datasets("vla") / "files").rename(layout.datasets("vla") / "away")  # no remote needed
+    victim = first.path / "part3" / "f00003.bin"
+    os.chmod(victim.parent, 0o755)
+    victim.unlink()
+    os.chmod(victim.parent, 0o2555)
+    again = data.pull("toy", volume)
+    assert again.repaired == ("toy/part3/f00003.bin",)
+    assert tree_md5(first.path) == expected
+
+
+def test_damage_the_remote_cannot_restore_is_refused_in_one_line(lab, volume, published):
+    spec, expected = published
+    first = data.pull("toy", volume)
+    layout = VolumeLayout(volume.data_root)
+    md5 = expected["part1/f00001.bin"]
+    _rot(first.path / "part1" / "f00001.bin")
+    _rot(layout.datasets("vla") / "files" / "md5" / md5[:2] / md5[2:])
+    proc = lab.cli("data", "pull", "toy")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ")
+    assert "toy/part1/f00001.bin" in lines[0] and "det-lab data verify --repair" in lines[0]
+
+
+def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(lab, volume, published):
+    spec, expected = published
+    first = data.pull("toy", volume)
+    victim = first.path / "part2" / "f00002.bin"
+    st = victim.stat()
+    os.chmod(victim, 0o644)
+    victim.write_bytes(bytes(st.st_size))  # same size ...
+    os.chmod(victim, 0o444)
+    os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))  # ... and mtime: only a hash sees it
+    assert data.pull("toy", volume).repaired == ()
+    proc = lab.cli("data", "verify")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert str(victim) in proc.stdout and "det-lab data verify --repair" in proc.stderr
+    proc = lab.cli("data", "verify", "--repair", "toy")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"repaired {victim}" in proc.stdout
+    assert tree_md5(first.path) == expected
+    proc = lab.cli("data", "verify")
+    assert proc.returncode == 0 and "0 damaged" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_verify_repair_drops_damaged_cache_objects_no_snapshot_uses(lab, volume, published):
+    spec, expected = published
+    layout = VolumeLayout(volume.data_root)
+    data.pull("toy", volume)
+    _forget_snapshots(layout, "vla")
+    victim = _object(volume, expected["part4/f00004.bin"])
+    victim.write_bytes(b"bit rot")  # root writes through 0444; the mode stays read-only
+    assert lab.cli("data", "verify").returncode == 1
+    proc = lab.cli("data", "verify", "--repair")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not victim.exists()
+    assert tree_md5(data.pull("toy", volume).path) == expected  # fetched again

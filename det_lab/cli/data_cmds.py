@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from det_lab import data
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, err_console, fail, state
 from det_lab.volume import QuotaExceeded, human_bytes
 
 app = typer.Typer(help="Datasets on the shared volume (DVC): pulled once, used by every trial.", no_args_is_help=True)
@@ -59,8 +59,13 @@ def pull(
         fail(str(exc))
     except KeyboardInterrupt:
         fail("interrupted: nothing partial was published; pull again to finish", code=130)
+    if ds.repaired:
+        err_console.print(f"[yellow]warning:[/] {len(ds.repaired)} snapshot files were changed or deleted since "
+                          f"they were verified and have been restored: {', '.join(ds.repaired[:5])}"
+                          f"{' ...' if len(ds.repaired) > 5 else ''}", highlight=False, soft_wrap=True)
     if as_json:
-        typer.echo(json.dumps({"path": str(ds.path), "fetched": ds.fetched, "identity": asdict(ds.identity)}, indent=2))
+        typer.echo(json.dumps({"path": str(ds.path), "fetched": ds.fetched, "repaired": list(ds.repaired),
+                               "identity": asdict(ds.identity)}, indent=2))
         return
     how = "fetched" if ds.fetched else "already on the volume"
     console.print(f"{ds.path}  ({how}; {ds.identity.commit[:10]} {ds.identity.md5}, "
@@ -99,6 +104,35 @@ def list_(ctx: typer.Context) -> None:
                       human_bytes(int(settings.projects[lst.project].quota)),
                       "\n".join(sorted(lst.registered)) or "-", snaps)
     console.print(table)
+
+
+@app.command()
+def verify(
+    ctx: typer.Context,
+    name: str | None = typer.Argument(None, help="Registered dataset name (default: every snapshot and cache object)."),
+    repair: bool = typer.Option(False, "--repair", help="Restore damaged files from the DVC remote."),
+) -> None:
+    """Hash (md5, as DVC) every snapshot file and shared-cache object; --repair restores damage."""
+    from det_lab.data.verify import verify as verify_volume
+
+    settings = state(ctx).settings
+    try:
+        with console.status("hashing snapshots and cache objects"):
+            report = verify_volume(settings, name, repair=repair)
+    except (data.DataError, ValueError, TimeoutError) as exc:
+        fail(str(exc))
+    for path in report.damaged:
+        how = "[green]repaired[/]" if path in report.repaired else "[red]damaged[/] "
+        console.print(f"{how} {path}", highlight=False)
+    for line in report.errors:
+        err_console.print(f"[bold red]error:[/] {line}", highlight=False, soft_wrap=True)
+    console.print(f"{report.snapshots} snapshots ({report.files} files) and {report.objects} cache objects "
+                  f"checked: {len(report.damaged)} damaged, {len(report.repaired)} repaired", highlight=False)
+    if not report.ok:
+        if not repair and not report.errors:
+            err_console.print(f"[bold red]error:[/] damaged data on the volume: run 'det-lab data verify --repair"
+                              f"{' ' + name if name else ''}'", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
 
 
 @app.command("import")

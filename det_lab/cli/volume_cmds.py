@@ -6,8 +6,8 @@ import typer
 import yaml
 
 from det_lab.cli.common import console, fail, state
-from det_lab.settings import ENV_OVERRIDES
-from det_lab.volume import init_volume
+from det_lab.settings import ENV_OVERRIDES, LabConfigError, check_writable
+from det_lab.volume import VolumeLayout, init_volume
 
 
 def init(
@@ -16,6 +16,11 @@ def init(
 ) -> None:
     """Create the shared volume's layout under the data root (idempotent, never overwrites)."""
     settings = state(ctx).settings
+    layout = VolumeLayout.from_settings(settings)
+    try:
+        check_writable(layout.root, layout.state, layout.locks)  # an existing volume mounted read-only
+    except LabConfigError as exc:
+        fail(f"cannot initialise {settings.data_root}: {exc}")
     try:
         report = init_volume(settings)
     except (OSError, ValueError) as exc:

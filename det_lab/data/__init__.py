@@ -14,7 +14,7 @@ from __future__ import annotations
 from det_lab.data.errors import DataError
 from det_lab.data.pull import DatasetIdentity, DatasetSpec, PulledDataset
 from det_lab.data.pull import pull as _pull
-from det_lab.data.registry import load_registry, lookup
+from det_lab.data.registry import load_registry, lookup, require_writable
 from det_lab.data.registry import register as _register
 from det_lab.data.status import DatasetStatus, ProjectListing, resolve
 from det_lab.data.status import list_volume as _list_volume
@@ -41,6 +41,8 @@ def register(name: str, spec: DatasetSpec, settings: LabSettings | None = None, 
     """Check that ``spec`` resolves (repo, revision, DVC path), then record it as ``name``."""
     settings = settings or load_settings()
     settings.project(spec.project)
+    load_registry(settings)  # a damaged registry or a read-only volume: refused before any work
+    require_writable(settings)
     identity = resolve(spec)
     _register(settings, name, spec, replace=replace)
     return identity

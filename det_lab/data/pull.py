@@ -8,7 +8,9 @@ and, for a branch or tag, one ``git ls-remote``, however many files the dataset 
 
 A snapshot directory only ever appears by an atomic rename of a fully verified temporary one,
 so a pull that is interrupted (Ctrl-C, kill -9, a lost machine) leaves nothing that a later pull
-would take as complete.
+would take as complete. Every reuse compares the snapshot's files with the sizes and mtimes
+recorded when it was published (:mod:`det_lab.data.integrity`); a changed or deleted file is
+hashed, and if it is damaged, re-fetched from the DVC remote and put back atomically.
 """
 
 from __future__ import annotations
@@ -24,18 +26,22 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from det_lab.data.errors import DataError
 from det_lab.data.git import clone_at, resolve_revision
+from det_lab.data.integrity import (
+    READ_ONLY_DIR_MODE, SNAPSHOT_MARKER, changed_files, file_stats, hash_mismatches, md5_of, read_marker,
+    replace_with_link, write_marker,
+)
 from det_lab.data.lock import VolumeLock
-from det_lab.settings import LabSettings
+from det_lab.settings import LabConfigError, LabSettings, check_writable
 from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, atomic_write_text, check_quota
 
-SNAPSHOT_MARKER = "snapshot.json"
-READ_ONLY_DIR_MODE = 0o2555
+REPAIR_HINT = "det-lab data verify --repair"
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,7 @@ class PulledDataset:
     path: Path
     identity: DatasetIdentity
     fetched: bool  # True when this call did the fetch, False when it reused a snapshot
+    repaired: tuple[str, ...] = ()  # snapshot files found damaged on reuse and restored
 
 
 @dataclass(frozen=True)
@@ -106,10 +113,11 @@ def pull(spec: DatasetSpec, settings: LabSettings, *, progress: bool | None = No
     if not layout.snapshots(spec.project).is_dir():
         raise DataError(f"{layout.snapshots(spec.project)} does not exist: run 'det-lab init' first")
     commit = resolve_revision(spec.repo, spec.rev)
-    ready = _from_index(layout, spec, commit)
+    show = sys.stderr.isatty() if progress is None else progress
+    ready = _from_index(layout, spec, commit, show)
     if ready is not None:
         return ready
-    show = sys.stderr.isatty() if progress is None else progress
+    _require_writable(layout, spec.project, f"pull {spec.path}@{spec.rev}")
     with tempfile.TemporaryDirectory(prefix="det-lab-pull-") as tmp:
         ws = Path(tmp) / "ws"
         clone_at(spec.repo, commit, ws)
@@ -129,8 +137,16 @@ def pull(spec: DatasetSpec, settings: LabSettings, *, progress: bool | None = No
                     _check_fetched(ws, cache, out, spec)
                     _materialise(cache, out, snap, Path(spec.path).name, identity, show)
                     fetched = True
+        repaired = () if fetched else ensure_intact(layout, snap, identity, show)
         _write_index(layout, spec, commit, identity)
-    return PulledDataset(snap / Path(spec.path).name, identity, fetched)
+    return PulledDataset(snap / Path(spec.path).name, identity, fetched, repaired)
+
+
+def _require_writable(layout: VolumeLayout, project: str, what: str) -> None:
+    try:
+        check_writable(layout.locks, layout.dvc_cache(project), layout.snapshots(project))
+    except LabConfigError as exc:
+        raise DataError(f"cannot {what}: {exc}") from None
 
 
 # --- the fast path ----------------------------------------------------------------------------
@@ -140,16 +156,17 @@ def _index_file(layout: VolumeLayout, spec: DatasetSpec, commit: str) -> Path:
     return layout.snapshots(spec.project) / ".index" / f"{key}.json"
 
 
-def _from_index(layout: VolumeLayout, spec: DatasetSpec, commit: str) -> PulledDataset | None:
+def _from_index(layout: VolumeLayout, spec: DatasetSpec, commit: str, show: bool) -> PulledDataset | None:
     try:
-        data = json.loads(_index_file(layout, spec, commit).read_text())
-    except (OSError, ValueError):
+        identity = DatasetIdentity(**{**json.loads(_index_file(layout, spec, commit).read_text()), "rev": spec.rev})
+    except (OSError, ValueError, TypeError):
         return None
-    identity = DatasetIdentity(**{**data, "rev": spec.rev})
     snap = layout.snapshots(spec.project) / identity.md5.removesuffix(".dir")
-    if not _complete(snap):
+    marker = read_marker(snap)
+    if marker is None:
         return None
-    return PulledDataset(snap / Path(spec.path).name, identity, fetched=False)
+    repaired = ensure_intact(layout, snap, identity, show, marker)
+    return PulledDataset(snap / Path(spec.path).name, identity, False, repaired)
 
 
 def _write_index(layout: VolumeLayout, spec: DatasetSpec, commit: str, identity: DatasetIdentity) -> None:
@@ -275,12 +292,17 @@ def _materialise(cache: Path, out: _Out, snap: Path, name: str, identity: Datase
     tmp = parent / f".tmp-{out.stem}-{uuid.uuid4().hex[:8]}"
     try:
         root = tmp / name
+        tmp.mkdir()
+        if out.is_dir:
+            root.mkdir()  # also when the directory is empty
         for e, obj in _progress(entries, cache, show, f"verifying {identity.path}"):
             dest = root / e["relpath"] if e["relpath"] else root
             dest.parent.mkdir(parents=True, exist_ok=True)
             _link_or_copy(obj, dest)
-        marker = {"identity": asdict(identity), "files": len(entries), "verified": "md5 of every file"}
-        atomic_write_text(tmp / SNAPSHOT_MARKER, json.dumps(marker, indent=2) + "\n", mode=0o444)
+        relpaths = [_relpath(name, e) for e in entries]
+        marker = {"identity": asdict(identity), "files": len(entries), "verified": "md5 of every file",
+                  "stat": file_stats(tmp, relpaths)}
+        atomic_write_text(tmp / SNAPSHOT_MARKER, json.dumps(marker) + "\n", mode=0o444)
         for d in sorted((p for p in tmp.rglob("*") if p.is_dir()), reverse=True):
             os.chmod(d, READ_ONLY_DIR_MODE)
         os.chmod(tmp, READ_ONLY_DIR_MODE)
@@ -304,15 +326,10 @@ def _progress(entries: list[dict], cache: Path, show: bool, label: str) -> Itera
         task = bar.add_task(label, total=sum(sizes.values()))
         for e in entries:
             obj = cache_object(cache, e["md5"])
-            if _md5(obj) != e["md5"]:
+            if md5_of(obj) != e["md5"]:
                 raise DataError(f"{obj} is corrupt (md5 mismatch): remove it and pull again")
             bar.advance(task, sizes[e["md5"]])
             yield e, obj
-
-
-def _md5(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "md5").hexdigest()
 
 
 def _link_or_copy(src: Path, dest: Path) -> None:
@@ -332,3 +349,101 @@ def _force_rmtree(path: Path) -> None:
         except OSError:
             pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _relpath(name: str, entry: dict) -> str:
+    """Where a manifest entry lives inside its snapshot directory."""
+    return f"{name}/{entry['relpath']}" if entry["relpath"] else name
+
+
+# --- keeping snapshots intact -----------------------------------------------------------------
+
+def ensure_intact(layout: VolumeLayout, snap: Path, identity: DatasetIdentity, show: bool,
+                  marker: dict[str, Any] | None = None) -> tuple[str, ...]:
+    """The cheap check on every reuse (one ``stat`` per file); repairs what it finds damaged."""
+    marker = marker if marker is not None else read_marker(snap)
+    changed = changed_files(snap, marker) if marker is not None else None
+    if changed == []:
+        return ()
+    return repair_snapshot(layout, snap, identity, changed, show)
+
+
+def repair_snapshot(layout: VolumeLayout, snap: Path, identity: DatasetIdentity, suspects: list[str] | None,
+                    show: bool = False) -> tuple[str, ...]:
+    """Hash ``suspects`` (every file when None) and restore the damaged ones from the DVC remote.
+
+    A damaged file's cache object is the same inode, so it is removed and fetched again (DVC writes
+    it by rename), then the snapshot's entry is replaced by one atomic rename: readers see the old
+    file or the whole new one. Returns the files restored; raises :class:`DataError` naming them and
+    the fix when that is impossible here.
+    """
+    out = _Out(identity.md5, identity.size, identity.nfiles)
+    name = Path(identity.path).name
+    try:
+        check_writable(snap.parent, layout.locks, layout.dvc_cache(identity.project))
+    except LabConfigError as exc:
+        what = ", ".join(suspects[:3]) + (" ..." if len(suspects) > 3 else "") if suspects else "its files"
+        raise DataError(f"{snap}: {what} changed since it was verified and cannot be repaired here ({exc}); "
+                        f"run '{REPAIR_HINT}' where the volume is writable") from None
+    cache = layout.dvc_cache(identity.project)
+    spec = DatasetSpec(identity.project, identity.repo, identity.path, identity.commit)
+    with VolumeLock(layout.locks / f"{identity.project}-{out.stem}.lock"):
+        expected = expected_files(cache, out, name, spec, show)
+        checked = list(expected) if suspects is None else [s for s in suspects if s in expected]
+        damaged = [str(p.relative_to(snap)) for p in hash_mismatches((snap / rel, expected[rel]) for rel in checked)]
+        if damaged:
+            refetch = {o for rel in damaged if not _good_copy(o := cache_object(cache, expected[rel]), snap / rel)}
+            for obj in refetch:
+                obj.unlink(missing_ok=True)
+            if refetch:
+                _refetch(spec, cache, sorted(refetch), damaged, show)
+            for rel in damaged:
+                replace_with_link(cache_object(cache, expected[rel]), snap / rel)
+        marker = read_marker(snap) or {}
+        stats = file_stats(snap, expected)
+        if marker.get("stat") != stats:
+            write_marker(snap, {**marker, "stat": stats})
+    return tuple(damaged)
+
+
+def expected_files(cache: Path, out: _Out, name: str, spec: DatasetSpec | None = None,
+                   show: bool = False) -> dict[str, str]:
+    """Snapshot-relative path -> md5 for every file, from the (verified) ``.dir`` manifest; a
+    damaged manifest is fetched again from the remote of ``spec`` (an error without one)."""
+    if not out.is_dir:
+        return {name: out.md5}
+    manifest = cache_object(cache, out.md5)
+    if hash_mismatches([(manifest, out.stem)]):
+        if spec is None:
+            raise DataError(f"directory manifest {manifest} is damaged or missing")
+        manifest.unlink(missing_ok=True)
+        _refetch(spec, cache, [manifest], [f"{out.md5} (the directory manifest)"], show)
+    return {_relpath(name, e): e["md5"] for e in _manifest(cache, out) or []}
+
+
+def _object_md5(obj: Path) -> str:
+    return obj.parent.name + obj.name.removesuffix(".dir")
+
+
+def _good_copy(obj: Path, damaged_file: Path) -> bool:
+    """The cache object is intact and not the damaged snapshot file itself (that was deleted or
+    replaced rather than written through its hard link)."""
+    try:
+        if os.path.samefile(obj, damaged_file):
+            return False
+    except OSError:
+        pass
+    return obj.is_file() and not hash_mismatches([(obj, _object_md5(obj))])
+
+
+def _refetch(spec: DatasetSpec, cache: Path, objects: list[Path], damaged: list[str], show: bool) -> None:
+    with tempfile.TemporaryDirectory(prefix="det-lab-repair-") as tmp:
+        ws = Path(tmp) / "ws"
+        clone_at(spec.repo, spec.rev, ws)
+        _configure_workspace(ws, cache, Path(tmp) / "site-cache")
+        _dvc_fetch(ws, spec, show)
+    bad = hash_mismatches((o, _object_md5(o)) for o in objects)
+    if bad:
+        raise DataError(f"{', '.join(damaged[:3])}{' ...' if len(damaged) > 3 else ''} of {spec.path}@"
+                        f"{spec.rev[:10]} damaged, and the DVC remote of {spec.repo} cannot restore "
+                        f"{len(bad)} of them: restore the remote, then run '{REPAIR_HINT}'")

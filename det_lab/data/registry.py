@@ -14,7 +14,7 @@ import yaml
 from det_lab.data.errors import DataError
 from det_lab.data.lock import VolumeLock
 from det_lab.data.pull import DatasetSpec
-from det_lab.settings import LabSettings
+from det_lab.settings import LabConfigError, LabSettings, check_writable, read_yaml_mapping
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 
@@ -23,15 +23,28 @@ def registry_file(settings: LabSettings) -> Path:
 
 
 def load_registry(settings: LabSettings) -> dict[str, DatasetSpec]:
-    """Every registered dataset by name."""
+    """Every registered dataset by name; a damaged file is one :class:`DataError` naming it."""
     path = registry_file(settings)
     if not path.exists():
         return {}
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
-        return {name: DatasetSpec(**entry) for name, entry in raw.items()}
-    except (OSError, yaml.YAMLError, TypeError) as exc:
-        raise DataError(f"{path}: unreadable dataset registry ({exc})") from None
+        raw = read_yaml_mapping(path, DataError)
+        return {str(name): DatasetSpec(**entry) for name, entry in raw.items()}
+    except (DataError, TypeError) as exc:
+        problem = str(exc).removeprefix(f"{path}: ").removeprefix(str(path))
+        if isinstance(exc, TypeError):
+            problem = "each entry must be {project, repo, path, rev}"
+        raise DataError(f"{path}: damaged dataset registry ({problem.strip(': ')}): restore it from a backup, "
+                        "or move it aside and register the datasets again with 'det-lab data register'") from None
+
+
+def require_writable(settings: LabSettings) -> None:
+    """Refuse, before any work, to register on a volume whose registry cannot be written."""
+    path = registry_file(settings)
+    try:
+        check_writable(path.parent)
+    except LabConfigError as exc:
+        raise DataError(f"cannot register a dataset: {exc}") from None
 
 
 def lookup(settings: LabSettings, name: str) -> DatasetSpec:
