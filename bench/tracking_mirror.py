@@ -24,7 +24,6 @@ from pathlib import Path
 
 from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
-from det_lab.tracking.mlflow_backend import MlflowBackend
 from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
 
@@ -64,7 +63,7 @@ def main() -> None:
             client.log_batch(run.info.run_id, metrics=points[i:i + 1000])
         rows.append(("2. MlflowClient.log_batch, 1000 per call", time.perf_counter() - start, None))
 
-        mirror = Mirror(RunInfo("bench-mirror", "mirror", "bench"), [MlflowBackend(server.uri)], Path(tmp) / "journal")
+        mirror = Mirror(RunInfo("bench-mirror", "mirror", "bench"), {"mlflow": server.uri}, Path(tmp) / "journal")
         start = time.perf_counter()
         for i in range(n):
             mirror.log_metrics("training", i, {"loss": 1.0 / (i + 1)})
@@ -94,7 +93,7 @@ def main() -> None:
         rows.append((f"4. sync client, 20 s outage: loop blocked; {arrived}/{args.outage_points} arrived", blocked, arrived))
 
         os.environ["MLFLOW_HTTP_REQUEST_MAX_RETRIES"] = "0"
-        mirror = Mirror(RunInfo("bench-outage", "mirror-outage", "bench"), [MlflowBackend(server.uri)],
+        mirror = Mirror(RunInfo("bench-outage", "mirror-outage", "bench"), {"mlflow": server.uri},
                         Path(tmp) / "journal-outage", interval=0.5)
         mirror.flush()
         server.stop()
