@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -240,8 +241,8 @@ def _recast_strings(path: Path, to: pa.DataType | str) -> None:
 def test_v30_strings_of_every_arrow_type(written: dict[str, Path], tmp_path: Path, string_type: str) -> None:
     src = written["v3.0"] / "image" / "dataset"
     root = shutil.copytree(src, tmp_path / "ds")
-    assert pq.read_schema(src / "meta/tasks.parquet").field("__index_level_0__").type == pa.large_string(), \
-        "pandas 3 (as LeRobot writes tasks.parquet) stores the task strings as large_string"
+    if int(pd.__version__.split(".")[0]) >= 3:  # the case of the bug report, as LeRobot writes it today
+        assert pq.read_schema(src / "meta/tasks.parquet").field("__index_level_0__").type == pa.large_string()
     to = {"string": pa.string(), "large_string": pa.large_string(), "string_view": pa.string_view(),
           "dictionary": "dictionary"}[string_type]
     for path in [root / "meta/tasks.parquet", *sorted((root / "meta/episodes").rglob("*.parquet"))]:
