@@ -111,6 +111,18 @@ def name_of(path: Path) -> str:
     return {v: k for k, v in NAMES.items()}.get(path.name, path.name)
 
 
+def run_argument(path: Path) -> str:
+    """What to give ``det-lab run`` for the template directory ``path``: its name where that finds
+    it (``vla``), else the path itself."""
+    name = name_of(path)
+    try:
+        if resolve(name) == path.resolve():
+            return name
+    except TemplateError:
+        pass
+    return str(path)
+
+
 def copy(name: str, dest: Path) -> Path:
     """Copy template ``name`` (or ``notebooks``) to the new directory ``dest``, to edit and submit.
 
