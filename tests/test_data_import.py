@@ -120,3 +120,24 @@ def test_directory_must_be_on_the_volume_and_exist(lab, volume, tmp_path: Path) 
         data.pull(DirectorySpec("vla", "teams/missing"), volume)
     with pytest.raises(DataError, match="is not on the volume"):
         data.pull(DirectorySpec("vla", "../elsewhere"), volume)
+
+
+def test_experiment_config_names_a_directory(lab, volume) -> None:
+    """``data.det_lab.dataset: {dir: ...}``: preflight checks it, the trial reads it in place."""
+    import yaml
+
+    from det_lab.trials.expconf import lab_section
+    from det_lab.trials.validate import PreflightError, preflight
+
+    src = _team_dataset(lab.root / "teams" / "garden")
+    template = Path(__file__).resolve().parents[1] / "experiment_templates" / "gaussian_splatting" / "const.yaml"
+    conf = yaml.safe_load(template.read_text())
+    conf["data"]["det_lab"]["dataset"] = {"dir": "teams/garden"}
+    preflight(conf, volume)
+    spec = lab_section(conf).dataset_spec(lambda name: data.lookup(volume, name))
+    pulled = data.pull(spec, volume)  # what the trial's session does with the spec
+    assert pulled.path == src.resolve() and pulled.identity.md5 == content_hash(src)[0]
+
+    conf["data"]["det_lab"]["dataset"] = {"dir": "teams/typo"}
+    with pytest.raises(PreflightError, match=r"data\.det_lab\.dataset: .*teams/typo: no such directory"):
+        preflight(conf, volume)

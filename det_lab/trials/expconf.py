@@ -6,7 +6,7 @@ A template's config carries det_lab's settings under ``data.det_lab`` (Determine
     data:
       det_lab:
         project: vla
-        dataset: vla-demo                  # a registered name, or {repo:, path:, rev:}
+        dataset: vla-demo                  # a registered name, {repo:, path:, rev:}, or {dir:}
         tracking: mlflow                   # optional: overrides the lab config's backend
         max_length: {batches: 600}         # training length (ASHA's max_time wins when set)
 """
@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from det_lab.data import DatasetSpec
+from det_lab.data.directory import DirectorySpec
 
 
 class _Strict(BaseModel):
@@ -28,6 +29,12 @@ class DatasetRef(_Strict):
     repo: str
     path: str
     rev: str = "HEAD"
+
+
+class DatasetDir(_Strict):
+    """A directory on the volume read in place (det_lab.data.directory); relative to the data root."""
+
+    dir: str
 
 
 class Length(_Strict):
@@ -54,17 +61,19 @@ class Length(_Strict):
 
 class LabTrialConfig(_Strict):
     project: str
-    dataset: str | DatasetRef | None = None
+    dataset: str | DatasetRef | DatasetDir | None = None
     tracking: Literal["mlflow", "aim", "both", "none"] | None = None
     max_length: Length | None = None
     reporting_batches: int | None = None  # how often training metrics are reported (default 100)
 
-    def dataset_spec(self, lookup) -> DatasetSpec | None:
+    def dataset_spec(self, lookup) -> DatasetSpec | DirectorySpec | None:
         """The spec to pull: a registered name is resolved through ``lookup(name)``."""
         if self.dataset is None:
             return None
         if isinstance(self.dataset, str):
             return lookup(self.dataset)
+        if isinstance(self.dataset, DatasetDir):
+            return DirectorySpec(self.project, self.dataset.dir)
         return DatasetSpec(self.project, self.dataset.repo, self.dataset.path, self.dataset.rev)
 
 
