@@ -236,3 +236,14 @@ def test_both_trial_kinds_offer_the_same_surface_and_templates_use_only_it():
         assert issubclass(cls, TrialSurface) and all(getattr(cls, n) is getattr(TrialSurface, n) for n in names)
     for train in REPO.glob("experiment_templates/*/train.py"):
         assert not re.search(r"\.session\b", train.read_text()), f"{train} reaches into the session"
+
+
+def test_a_twins_module_is_loaded_from_its_kind(local_run):
+    import importlib.util
+
+    local_run.update(kind="slurm")
+    rec = record.open_record(local_run.dir)
+    if importlib.util.find_spec("det_lab.slurm.record") is not None:
+        assert type(rec).kind == "slurm"
+    local_run.update(kind="no_such_scheduler")
+    assert type(record.open_record(local_run.dir)) is record.LocalRunRecord

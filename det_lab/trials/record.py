@@ -22,7 +22,9 @@ local-style record: subclass :class:`LocalRunRecord`, set ``kind`` and ``runs_di
 
 from __future__ import annotations
 
+import importlib
 import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -203,8 +205,16 @@ def register(cls: type[LocalRunRecord]) -> type[LocalRunRecord]:
 
 
 def open_record(directory: Path) -> LocalRunRecord:
-    """The record of an existing local-style run directory, of the kind its ``run.json`` names."""
+    """The record of an existing local-style run directory, of the kind its ``run.json`` names.
+
+    A kind not registered yet is looked for in ``det_lab.<kind>.record`` (``det_lab.slurm.record``),
+    so a trial process gets its twin without importing it first."""
     kind = json.loads((Path(directory) / RUN_FILE).read_text()).get("kind", LocalRunRecord.kind)
+    if kind not in _KINDS and re.fullmatch(r"[a-z_]+", kind):
+        try:
+            importlib.import_module(f"det_lab.{kind}.record")
+        except ImportError:
+            pass
     return _KINDS.get(kind, LocalRunRecord)(Path(directory))
 
 
