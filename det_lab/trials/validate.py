@@ -296,7 +296,7 @@ def _lab_section(exp_conf: Mapping[str, Any], source: str):
 
 
 def _datasets(lab, settings: LabSettings, source: str) -> None:
-    from det_lab.data import DataError, lookup
+    from det_lab.data import DataError, DatasetSpec, lookup
     from det_lab.data.pull import _bytes_missing, _Out
     from det_lab.data.status import resolve
     from det_lab.volume import QuotaExceeded, VolumeLayout, check_quota
@@ -309,6 +309,9 @@ def _datasets(lab, settings: LabSettings, source: str) -> None:
         return
     try:
         spec = lab.dataset_spec(lambda name: lookup(settings, name))
+        if not isinstance(spec, DatasetSpec):  # a directory read in place: it must be on the volume
+            spec.resolve(settings)
+            return
         identity = resolve(spec)  # repository, revision and DVC path exist
         layout = VolumeLayout.from_settings(settings)
         out = _Out(identity.md5, identity.size, identity.nfiles)
