@@ -99,8 +99,13 @@ def md5_of(path: Path) -> str:
 
 def _walk(path: Path) -> list[str]:
     """Relative POSIX paths of every file under ``path``, sorted as DVC sorts them."""
-    out = []
-    for dirpath, _, names in os.walk(path, followlinks=True):
+    out, seen = [], set()
+    for dirpath, dirnames, names in os.walk(path, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in seen:  # a symbolic link back up the tree: walk each directory once
+            dirnames.clear()
+            continue
+        seen.add(real)
         rel_dir = Path(dirpath).relative_to(path)
         out.extend((rel_dir / n).as_posix() for n in names)
     return sorted(out)
