@@ -193,9 +193,9 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     cluster.stop()
 
 
-def make_slurm_lab(tmp: Path, mlflow_uri: str, cluster: SlurmCluster, with_vla: bool) -> Lab:
+def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, with_vla: bool) -> Lab:
     """A lab whose commands reach ``cluster``: tiny regression data (and the VLA demo) published,
-    MLflow at ``mlflow_uri``."""
+    MLflow at ``mlflow_uri`` (None: no tracking)."""
     import tempfile
 
     import numpy as np
@@ -209,7 +209,7 @@ def make_slurm_lab(tmp: Path, mlflow_uri: str, cluster: SlurmCluster, with_vla: 
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
                DET_LAB_TEMPLATES=str(REPO / "experiment_templates"), **cluster.env)
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_uri})
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_uri} if mlflow_uri else {"backend": "none"})
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     if with_vla:

@@ -86,7 +86,8 @@ def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list
         if is_search(conf):
             search, job_id = slurm_run.submit_search(settings, slurm, tdir, conf, str(config or tdir), where, seed)
         else:
-            run_, _, _ = prepare_run(settings, template, config, sets, seed, SlurmRunRecord)
+            run_, _, _ = local.prepare(settings, template, config, False, seed, record_cls=SlurmRunRecord,
+                                       overrides=list(sets))
             job_id = slurm_run.submit_run(run_, settings, slurm, where)
     except (local.RunError, submit.SlurmError, ValueError) as exc:
         fail(str(exc))
@@ -172,35 +173,6 @@ def apply_sets(conf: dict, sets: list[str]) -> dict:
         return apply_overrides(conf, list(sets))
     except TemplateError as exc:
         raise ValueError(str(exc)) from None
-
-
-def prepare_run(settings, template: str, config: Path | None, sets: list[str], seed: int | None, record_cls):
-    """``local.prepare`` for a new run of ``record_cls``, with ``--set`` overrides applied to its config.
-
-    The overridden config is kept in the run's directory (``config.yaml``), so the record names
-    the exact config the trial ran."""
-    import inspect
-    import tempfile
-
-    import yaml
-
-    from det_lab.trials import local
-
-    if "overrides" in inspect.signature(local.prepare).parameters:
-        return local.prepare(settings, template, config, False, seed, record_cls=record_cls, overrides=list(sets))
-    if not sets:
-        return local.prepare(settings, template, config, False, seed, record_cls=record_cls)
-    tdir = local.resolve_template(template)
-    _, conf = local.load_config(tdir, config)
-    conf = apply_sets(conf, sets)
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_config = Path(tmp) / "config.yaml"
-        tmp_config.write_text(yaml.safe_dump(conf, sort_keys=False))
-        run_, cwd, command = local.prepare(settings, template, tmp_config, False, seed, record_cls=record_cls)
-        kept = run_.dir / "config.yaml"
-        kept.write_text(tmp_config.read_text())
-    run_.update(config=str(kept), overrides=list(sets))
-    return run_, cwd, command
 
 
 @app.command()

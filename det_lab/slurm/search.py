@@ -212,9 +212,9 @@ def _task_trial(search: Search, study: optuna.Study, task: str) -> tuple[optuna.
 
 def run_task(search: Search, task: str) -> int:
     """Train this array task's trial, report its validation metric to the pruner, tell the result."""
-    from det_lab.cli.slurm_cmds import prepare_run
     from det_lab.settings import load_settings
     from det_lab.slurm.job import run_in_job
+    from det_lab.trials import local
 
     st = search.state()
     settings = load_settings()
@@ -226,8 +226,8 @@ def run_task(search: Search, task: str) -> int:
     trial, run = _task_trial(search, study, task)
     if run is None:
         hparams = suggest(trial, st["exp_conf"].get("hyperparameters") or {})
-        run, _, _ = prepare_run(settings, st["template_dir"], Path(st["config"]), [], int(st["seed"]),
-                                SlurmRunRecord)
+        run, _, _ = local.prepare(settings, st["template_dir"], Path(st["config"]), False, int(st["seed"]),
+                                  record_cls=SlurmRunRecord)
         run.update(hparams=hparams, search={"dir": str(search.dir), "trial": trial.number, "array_task": task},
                    slurm={**st["slurm"], "job_id": f"{os.environ.get('SLURM_ARRAY_JOB_ID', '')}_{task}"})
         trial.set_user_attr("run", run.dir.name)

@@ -1,0 +1,241 @@
+"""``det-lab run --slurm`` against a real Slurm (munged + slurmctld + slurmd started by the tests):
+the VLA template trained to the end with ``--wait``, a job requeued mid-run that resumes with the
+losses of an uninterrupted run, an Optuna search over a job array with ASHA pruning, the runs
+commands, and Slurm's refusals as one line with nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+
+from tests.conftest import VENV_BIN, Lab
+from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster  # noqa: F401 (fixture)
+
+#: short runs: enough steps for a checkpoint, a validation and a requeue in between
+VLA_SETS = ["--set", "data.det_lab.max_length.batches=60", "--set", "min_validation_period.batches=30",
+            "--set", "min_checkpoint_period.batches=30", "--set", "data.det_lab.reporting_batches=10"]
+
+
+@pytest.fixture(scope="module")
+def slurm_lab(tmp_path_factory, mlflow_server, slurm_cluster: SlurmCluster) -> Lab:
+    """A lab on the test Slurm: the VLA demo and the tiny regression data published, MLflow tracking."""
+    return make_slurm_lab(tmp_path_factory.mktemp("slurm-lab"), mlflow_server.uri, slurm_cluster, with_vla=True)
+
+
+def runs_dir(lab: Lab) -> Path:
+    return lab.root / "outputs" / "vla" / "slurm-runs"
+
+
+def run_named(lab: Lab, stdout: str) -> Path:
+    name = stdout.split()[1].rstrip(":")  # "run <name>: Slurm job <id> ..."
+    return runs_dir(lab) / name
+
+
+def state(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def metrics(run_dir: Path, group: str, key: str) -> dict[int, float]:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return {m["step"]: m["metrics"][key] for m in lines if m["group"] == group}
+
+
+def wait_until(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.3)
+
+
+def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
+    proc = slurm_lab.cli("run", "vla", "--slurm", "--wait", *VLA_SETS)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    run_dir = run_named(slurm_lab, proc.stdout)
+    st = state(run_dir)
+    assert st["kind"] == "slurm" and st["status"] == "finished" and st["latest_checkpoint_step"] == 60
+    job_id, (attempt,) = st["slurm"]["job_id"], st["slurm"]["attempts"]
+    assert attempt["job_id"] == job_id and attempt["node"].startswith("detlab")
+    assert f"finished at step 60 of 60" in proc.stdout
+
+    # the job script is a plain sbatch file in the run's directory, asking for the pre-limit signal
+    script = (run_dir / "job.sbatch").read_text()
+    assert "#SBATCH --signal=B:USR1@" in script and "#SBATCH --requeue" in script
+    assert f"-m det_lab.slurm.job {run_dir}" in script
+
+    # checkpoints on the volume, with the lineage of the job that wrote them
+    for ckpt in st["checkpoints"]:
+        meta = json.loads((slurm_lab.root / "checkpoints" / "vla" / ckpt["uuid"] / "metadata.json").read_text())
+        assert meta["steps_completed"] == ckpt["step"]
+        assert meta["det_lab"]["slurm_job_id"] == job_id and meta["det_lab"]["slurm_node"] == attempt["node"]
+        assert meta["det_lab"]["dataset"]["path"]
+
+    # every metric in the real MLflow server, in a run tagged with the job
+    summary = json.loads((run_dir / "tracking-summary.json").read_text())
+    (backend,) = summary["backends"]
+    assert backend["pending"] == 0
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(backend["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["slurm.job_id"] == job_id
+    history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "validation/val_action_l1"))
+    assert history == sorted((s, pytest.approx(v)) for s, v in metrics(run_dir, "validation", "val_action_l1").items())
+
+    listed = [json.loads(x) for x in slurm_lab.cli("runs", "list", "--json", check=True).stdout.splitlines()]
+    row = next(r for r in listed if r["name"] == run_dir.name)
+    assert (row["kind"], row["status"], row["step"]) == ("slurm", "finished", 60) and f"job {job_id}" in row["where"]
+    shown = slurm_lab.cli("runs", "show", run_dir.name, check=True).stdout
+    assert "slurm job" in shown and str(run_dir / "job.sbatch") in shown
+    tail = slurm_lab.cli("runs", "tail", run_dir.name, "-n", "200", check=True).stdout
+    assert "report_validation_metrics(steps_completed=60" in tail
+
+
+def _tiny_config(lab: Lab, name: str, **changes) -> Path:
+    conf = yaml.safe_load((TINY / "const.yaml").read_text())
+    for key, value in changes.items():
+        node = conf
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = lab.config.parent / name
+    path.write_text(yaml.safe_dump(conf))
+    return path
+
+
+def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
+    config = _tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
+    straight = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), "--wait")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+    straight_dir = run_named(slurm_lab, straight.stdout)
+
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), check=True)
+    run_dir = run_named(slurm_lab, proc.stdout)
+    job_id = state(run_dir)["slurm"]["job_id"]
+
+    def past_first_checkpoint() -> bool:
+        st = state(run_dir)
+        steps = metrics(run_dir, "training", "loss") if (run_dir / "metrics.jsonl").exists() else {}
+        return bool(st.get("latest_checkpoint")) and max(steps, default=0) > st["latest_checkpoint_step"]
+
+    wait_until(past_first_checkpoint, 120, "the first checkpoint")
+    # what Slurm sends --signal seconds before the time limit: the job checkpoints and requeues itself
+    slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
+    wait_until(lambda: state(run_dir).get("status") == "finished", 180, "the requeued job to finish")
+
+    st = state(run_dir)
+    first, second = st["slurm"]["attempts"]
+    assert (first["restart"], second["restart"]) == (0, 1) and first["job_id"] == second["job_id"] == job_id
+    assert st["resumed"] == 1 and 40 <= st["checkpoints"][1]["step"] < 80 and st["latest_checkpoint_step"] == 80
+    out = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "requeueing job" in out and "resuming" in out
+
+    for group, key in (("training", "loss"), ("validation", "val_loss")):
+        expected, got = metrics(straight_dir, group, key), metrics(run_dir, group, key)
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+    summary = json.loads((run_dir / "tracking-summary.json").read_text())
+    client = MlflowClient(mlflow_server.uri)
+    (backend,) = summary["backends"]
+    steps = [m.step for m in client.get_metric_history(backend["run_id"], "training/loss")]
+    assert steps == sorted(set(steps)) and steps[-1] == 80  # one tracker run, each step once
+    assert client.get_run(backend["run_id"]).info.status == "FINISHED"
+
+
+def test_search_over_a_job_array_prunes_and_reports_the_best(slurm_lab):
+    # seed 8: the per-task samplers draw lr 0.05, 0.05, 0.0005, 0.0005, so tasks 2 and 3 reach the
+    # first rung (40 batches) after two good trials and ASHA stops them there
+    config = _tiny_config(slurm_lab, "tiny-search.yaml", **{
+        "hyperparameters.lr": {"type": "categorical", "vals": [0.0005, 0.05]},
+        "searcher": {"name": "adaptive_asha", "metric": "val_loss", "smaller_is_better": True,
+                     "time_metric": "batches", "max_time": 80, "max_trials": 4, "max_concurrent_trials": 2,
+                     "divisor": 2, "max_rungs": 2},
+        "reproducibility.experiment_seed": 8})
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), "--wait")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    name = proc.stdout.split()[1].rstrip(":")
+    search_dir = slurm_lab.root / "outputs" / "vla" / "slurm-searches" / name
+    assert "#SBATCH --array=0-3%2" in (search_dir / "job.sbatch").read_text()
+    assert (search_dir / "optuna.journal").is_file() and not list(search_dir.glob("*.db"))
+
+    shown = json.loads(slurm_lab.cli("slurm", "search", name, "--json", check=True).stdout)
+    trials = shown["trials"]
+    assert len(trials) == 4 and {t["array_task"] for t in trials} == {"0", "1", "2", "3"}
+    pruned = [t for t in trials if t["state"] == "pruned"]
+    done = [t for t in trials if t["state"] == "complete"]
+    assert pruned and done and len(pruned) + len(done) == 4
+    best = shown["best"]
+    assert best["value"] == min(t["value"] for t in done) and best["params"] == {"lr": 0.05}
+    for t in pruned:  # stopped at the first rung, worse than the trials that went on
+        assert t["step"] == 40 and t["value"] > best["value"]
+        run = state(runs_dir(slurm_lab) / t["run"])
+        assert run["status"] == "pruned" and run["latest_checkpoint_step"] <= 50
+    assert f"best: trial {best['number']}" in proc.stdout and "optuna-dashboard" in proc.stdout
+
+
+def _nothing_created(lab: Lab, before: set[Path]) -> None:
+    root = lab.root / "outputs" / "vla"
+    now = {p for d in ("slurm-runs", "slurm-searches") for p in (root / d).glob("*")}
+    assert now == before, now - before
+
+
+def _existing(lab: Lab) -> set[Path]:
+    root = lab.root / "outputs" / "vla"
+    return {p for d in ("slurm-runs", "slurm-searches") for p in (root / d).glob("*")}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--partition", "h100"], "--partition h100: no such Slurm partition (partitions: fake)"),
+    (["--set", "resources.slots_per_trial=4"], "resources.slots_per_trial=4: partition fake has 1 node(s) with at most 2 GPUs"),
+    (["--time", "soon"], "--time 'soon' is not a Slurm time"),
+    (["--set", "searcher.name=grid"], "searcher.name 'grid' does not run on Slurm"),
+])
+def test_refusals_are_one_line_and_leave_nothing(slurm_lab, args, message):
+    before = _existing(slurm_lab)
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("error: ") and message in line, line
+    _nothing_created(slurm_lab, before)
+
+
+def test_without_sbatch_the_error_says_how_to_get_it(slurm_lab):
+    before = _existing(slurm_lab)
+    env = {**slurm_lab.env, "PATH": str(VENV_BIN)}
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "sbatch not found on PATH" in line and "slurm-client" in line and "SLURM_CONF" in line
+    _nothing_created(slurm_lab, before)
+
+
+def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab):
+    config = _tiny_config(slurm_lab, "tiny-slower.yaml", **{"hyperparameters.sleep_per_batch": 0.2})
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), check=True)
+    run_dir = run_named(slurm_lab, proc.stdout)
+    wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the trial to report")
+    out = slurm_lab.cli("runs", "cancel", run_dir.name, check=True).stdout
+    assert "cancelled Slurm job" in out
+    wait_until(lambda: state(run_dir).get("status") in ("stopped", "failed"), 120, "the run to stop")
+    st = state(run_dir)
+    assert st["status"] == "stopped" and st["latest_checkpoint_step"] < 80  # checkpointed on the way out
+    again = slurm_lab.cli("runs", "cancel", run_dir.name)
+    assert again.returncode == 2 and "already ended (stopped)" in again.stderr
+
+
+def test_wait_exits_with_the_trials_failure(slurm_lab):
+    env = {**slurm_lab.env, "TINY_CRASH_ON_CHECKPOINT": "1"}  # the trial dies writing its first checkpoint
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--wait"], env=env,
+                          cwd=slurm_lab.config.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3, proc.stdout  # the trial's own exit code
+    run_dir = run_named(slurm_lab, proc.stdout)
+    st = state(run_dir)
+    assert st["status"] == "failed" and st["exit_code"] == 3 and not st.get("latest_checkpoint")
+    assert "failed at step 40 of 80" in proc.stdout and "determined.core" in proc.stdout  # the log's last lines
