@@ -306,3 +306,77 @@ def test_unreadable_experiment_config_is_one_line(tmp_path, tiny, text, expected
     with pytest.raises(PreflightError) as info:
         load_and_check(path, tiny)
     assert "\n" not in str(info.value) and str(path) in str(info.value) and expected in str(info.value)
+
+
+# --- det-lab run: refused before a run directory appears ---------------------------------------
+
+def write_config(tmp_path: Path, conf: dict | str, name: str = "exp.yaml") -> Path:
+    import yaml
+
+    path = tmp_path / name
+    path.write_text(conf if isinstance(conf, str) else yaml.safe_dump(conf))
+    return path
+
+
+def runs_dir(lab: Lab) -> Path:
+    return lab.root / "outputs" / "vla" / "local-runs"
+
+
+RUN_REJECTS = {
+    "negative slots_per_trial": (vla_config(resources__slots_per_trial=-1), "resources.slots_per_trial"),
+    "unknown searcher": (vla_config(searcher__name="bayesian"), "searcher.name"),
+    "unknown top-level key": (vla_config(trainer={"epochs": 3}), "trainer: unknown key"),
+    "missing bound": (vla_config(hyperparameters__lr={"type": "double", "minval": 0.1}), "hyperparameters.lr.maxval"),
+    "negative max_time": (vla_config(**LAB_REJECTS["negative max_time"][0]), "searcher.max_time"),
+    "unknown dataset": (vla_config(data__det_lab__dataset="nope"), "no dataset named 'nope'"),
+    "unparseable YAML": ("searcher: {name: single\nhyperparameters: [1, 2\n", "invalid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RUN_REJECTS))
+def test_run_refuses_a_bad_config_before_anything_is_created(shared, tmp_path, case):
+    conf, expected = RUN_REJECTS[case]
+    path = write_config(tmp_path, conf)
+    before = snapshot_tree(shared.root)
+    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path)), expected)
+    assert snapshot_tree(shared.root) == before
+
+
+@needs_ro
+def test_run_on_a_read_only_volume(shared, tmp_path):
+    path = write_config(tmp_path, vla_config())
+    before = snapshot_tree(shared.root)
+    assert_refused(cli_read_only(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path)),
+                   "not writable", "read-write")
+    assert snapshot_tree(shared.root) == before
+
+
+def _existing_run(lab: Lab, text: str | None = None) -> Path:
+    """A run directory as an earlier 'det-lab run' leaves it (or with ``text`` as its run.json)."""
+    import json
+
+    run = runs_dir(lab) / "vla-20260101-000000-abcd"
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "run.json").write_text(text if text is not None else json.dumps({
+        "kind": "local", "name": run.name, "template": "vla", "latest_checkpoint": "0123", "checkpoints": [],
+        "cwd": str(TEMPLATES / "vla"), "command": ["python3", "train.py"], "max_length": 10,
+        "max_length_unit": "batches", "status": "stopped"}))
+    return run
+
+
+def test_run_name_without_resume_is_refused(shared, tmp_path):
+    run = _existing_run(shared)
+    path = write_config(tmp_path, vla_config())
+    before = snapshot_tree(shared.root)
+    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--run", run.name),
+                   f"run {run.name} exists; use --resume to continue it or choose another name")
+    assert snapshot_tree(shared.root) == before
+
+
+def test_damaged_run_record_is_one_line(shared, tmp_path):
+    run = _existing_run(shared, '{"name": "vla-2026", "latest_checkp')
+    path = write_config(tmp_path, vla_config())
+    before = snapshot_tree(shared.root)
+    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--resume",
+                              "--run", run.name), str(run / "run.json"))
+    assert snapshot_tree(shared.root) == before

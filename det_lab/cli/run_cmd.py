@@ -20,7 +20,7 @@ def run(
     local_mode: bool = typer.Option(False, "--local", help="Run here through Determined's local training mode."),
     config: Path | None = typer.Option(None, "--config", help="Experiment config (default: const.yaml in the template)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the latest local run of this template."),
-    run_name: str | None = typer.Option(None, "--run", help="With --resume: the run to continue."),
+    run_name: str | None = typer.Option(None, "--run", help="With --resume: the run to continue; without: the new run's name."),
     seed: int | None = typer.Option(None, help="Seed for sampling hyperparameters of a search config."),
 ) -> None:
     """Train a template: locally with --local (the cluster path is 'det experiment create')."""
@@ -28,7 +28,8 @@ def run(
         fail("only --local runs start from det-lab; on a cluster use: det experiment create <config> <dir>")
     settings = state(ctx).settings
     try:
-        run_, cwd, command = local.prepare(settings, template, config, run_name or resume, seed)
+        run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
+                                           name=None if resume else run_name)
     except (local.RunError, ValueError) as exc:
         fail(str(exc))
     st = run_.state()

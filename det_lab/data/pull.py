@@ -397,12 +397,17 @@ def repair_snapshot(layout: VolumeLayout, snap: Path, identity: DatasetIdentity,
                 obj.unlink(missing_ok=True)
             if refetch:
                 _refetch(spec, cache, sorted(refetch), damaged, show)
+        try:
             for rel in damaged:
                 replace_with_link(cache_object(cache, expected[rel]), snap / rel)
-        marker = read_marker(snap) or {}
-        stats = file_stats(snap, expected)
-        if marker.get("stat") != stats:
-            write_marker(snap, {**marker, "stat": stats})
+            marker = read_marker(snap) or {}
+            stats = file_stats(snap, expected)
+            if marker.get("stat") != stats:
+                write_marker(snap, {**marker, "stat": stats})
+        except OSError as exc:  # e.g. a snapshot made by another user
+            if damaged:
+                raise DataError(f"{snap}: cannot repair {', '.join(damaged[:3])} ({exc.strerror}): run "
+                                f"'{REPAIR_HINT}' as the snapshot's owner (uid {snap.stat().st_uid}) or root") from None
     return tuple(damaged)
 
 

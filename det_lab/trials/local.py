@@ -24,15 +24,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from det_lab import templates
 from det_lab.data.git import describe_commit
-from det_lab.settings import LabSettings
+from det_lab.settings import LabSettings, read_yaml_mapping
 from det_lab.trials.expconf import ExpConfError, lab_section, training_length
 from det_lab.trials.identity import LOCAL_RUN_ENV
 from det_lab.trials.lineage import CODE_COMMIT_ENV
 from det_lab.trials.record import LocalRunRecord, open_record
+from det_lab.trials.validate import preflight
 from det_lab.volume import VolumeLayout
 
 DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
@@ -57,13 +56,7 @@ def load_config(template: Path, config: Path | None) -> tuple[Path, dict[str, An
     path = config or next((template / c for c in DEFAULT_CONFIGS if (template / c).is_file()), None)
     if path is None:
         raise RunError(f"{template} has no {' / '.join(DEFAULT_CONFIGS)}; pass --config")
-    try:
-        conf = yaml.safe_load(Path(path).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise RunError(f"{path}: cannot read experiment config: {exc}") from None
-    if not isinstance(conf, dict):
-        raise RunError(f"{path}: an experiment config must be a mapping")
-    return Path(path), conf
+    return Path(path), read_yaml_mapping(Path(path), RunError)  # one line for bad YAML or bytes
 
 
 def sample_hparams(space: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -115,12 +108,14 @@ def entry_command(entrypoint: str | list[str]) -> list[str]:
 
 def prepare(settings: LabSettings, template: str, config: Path | None, resume: bool | str,
             seed: int | None = None, record_cls: type[LocalRunRecord] = LocalRunRecord,
+            name: str | None = None,
             ) -> tuple[LocalRunRecord, Path, list[str]]:
     """Create (or, with ``resume``, reopen) a local-style run of kind ``record_cls``; returns its
-    record, its cwd and its command. Checks that refuse a run belong before the staging
-    directory is made."""
+    record, its cwd and its command. ``name`` names a new run (default: template, time, random).
+    Checks that refuse a run belong before the staging directory is made."""
     tdir = resolve_template(template)
     cfg_path, conf = load_config(tdir, config)
+    preflight(conf, settings, str(cfg_path))  # what Determined or det_lab would refuse: before anything exists
     try:
         lab = lab_section(conf, str(cfg_path))
         length = training_length(conf, lab)
@@ -131,6 +126,11 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     if not layout.outputs(lab.project).is_dir():
         raise RunError(f"{layout.outputs(lab.project)} does not exist: run 'det-lab init' (or set DET_LAB_DATA_ROOT)")
     root = record_cls.runs_root(layout, lab.project)
+    if name is not None and not resume:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", name):
+            raise RunError(f"run name {name!r} may only hold letters, digits, '.', '_' and '-'")
+        if (root / name).exists():
+            raise RunError(f"run {name} exists; use --resume to continue it or choose another name")
     root.mkdir(exist_ok=True)
     if resume:
         run = _find_run(root, tdir.name, None if resume is True else str(resume))
@@ -142,7 +142,7 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         run.save(state)
         return run, Path(state["cwd"]), state["command"]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    name = f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    name = name or f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
     # the run directory appears complete (with its run.json) or not at all
     staging = record_cls(root / f".{name}.tmp")
     staging.dir.mkdir()

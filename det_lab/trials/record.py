@@ -40,6 +40,19 @@ JOURNAL_DIR = "tracking-journal"
 WORK_DIR = "work"
 
 
+def read_run_file(path: Path) -> dict[str, Any]:
+    """A run.json as a dict; a damaged one is a one-line ``ValueError`` naming it and the fix."""
+    try:
+        state = json.loads(Path(path).read_text())
+        problem = None if isinstance(state, dict) else "not a JSON object"
+    except ValueError as exc:  # also bytes that are not UTF-8
+        problem = str(exc)
+    if problem:
+        raise ValueError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
+                         "restore its run.json from a backup or start a new run")
+    return state
+
+
 class RunRecord:
     """The files of one trial under ``dir`` (see the module docstring)."""
 
@@ -49,6 +62,7 @@ class RunRecord:
 
     def __init__(self, directory: Path) -> None:
         self.dir = Path(directory)
+        self._high_water: dict[tuple[str, str], int] | None = None  # (group, key) -> last step written
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.dir)!r})"
@@ -88,7 +102,7 @@ class RunRecord:
     # --- state ---------------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        return json.loads(self.run_file.read_text())
+        return read_run_file(self.run_file)
 
     def save(self, state: dict[str, Any]) -> None:
         atomic_write_text(self.run_file, json.dumps(state, indent=2, default=str) + "\n")
@@ -131,10 +145,22 @@ class RunRecord:
     # --- written by the trial's chief process --------------------------------------------------------
 
     def append_metrics(self, group: str, step: int, metrics: dict[str, Any]) -> None:
-        if self.keeps_progress:
-            line = {"group": group, "step": int(step), "metrics": numeric(metrics)}
-            with open(self.metrics_file, "a") as f:
-                f.write(json.dumps(line) + "\n")
+        """Append one report; a key already recorded at this or a later step is left out (a
+        resumed trial replays the steps after its checkpoint), so each (group, key, step) is once."""
+        if not self.keeps_progress:
+            return
+        if self._high_water is None:
+            self._high_water = {}
+            for m in self.metrics():
+                for key in m["metrics"]:
+                    self._high_water[(m["group"], key)] = max(m["step"], self._high_water.get((m["group"], key), m["step"]))
+        step = int(step)
+        fresh = {k: v for k, v in numeric(metrics).items() if step > self._high_water.get((group, k), step - 1)}
+        if not fresh:
+            return
+        self._high_water.update(((group, k), step) for k in fresh)
+        with open(self.metrics_file, "a") as f:
+            f.write(json.dumps({"group": group, "step": step, "metrics": fresh}) + "\n")
 
     def add_checkpoint(self, uuid: str, step: int) -> None:
         """A complete checkpoint: it becomes the latest only now."""
@@ -209,7 +235,7 @@ def open_record(directory: Path) -> LocalRunRecord:
 
     A kind not registered yet is looked for in ``det_lab.<kind>.record`` (``det_lab.slurm.record``),
     so a trial process gets its twin without importing it first."""
-    kind = json.loads((Path(directory) / RUN_FILE).read_text()).get("kind", LocalRunRecord.kind)
+    kind = read_run_file(Path(directory) / RUN_FILE).get("kind", LocalRunRecord.kind)
     if kind not in _KINDS and re.fullmatch(r"[a-z_]+", kind):
         try:
             importlib.import_module(f"det_lab.{kind}.record")
