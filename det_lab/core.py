@@ -47,9 +47,9 @@ class LabContext(TrialSurface):
         return getattr(self.core, name)
 
 
-def local_checkpoint_dir(settings: LabSettings, project: str) -> Path:
-    """Where off-cluster checkpoints go: ``<data root>/checkpoints/<project>``."""
-    return VolumeLayout.from_settings(settings).project_checkpoints(project)
+def local_checkpoint_dir(settings: LabSettings, project: str, exp_conf: dict[str, Any] | None = None) -> Path:
+    """Where off-cluster checkpoints go: where the cluster puts them (``<data root>/checkpoints/<project>``)."""
+    return VolumeLayout.from_settings(settings).experiment_checkpoints(project, exp_conf)
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None
     settings = settings or load_settings()
     identity = read_identity(exp_conf, hparams)
     lab = lab_section(identity.exp_conf)
-    ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project))
+    ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project, identity.exp_conf))
     with harness_shims(ckpt, [settings.data_root]):
         kwargs: dict[str, Any] = {"distributed": distributed}
         if ckpt is not None:

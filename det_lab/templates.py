@@ -183,8 +183,10 @@ def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, A
 
     Values are parsed as YAML (``50`` is a number, ``[a, b]`` a list, ``null`` None); missing
     mappings on the way are created. ``data.det_lab.max_length.batches=50`` sets
-    ``conf["data"]["det_lab"]["max_length"]["batches"] = 50``.
+    ``conf["data"]["det_lab"]["max_length"]["batches"] = 50``, and with it ASHA's
+    ``searcher.max_time`` (which sets a trial's length when present) unless that is set too.
     """
+    keys = [item.partition("=")[0].strip() for item in assignments]
     for item in assignments:
         key, sep, raw = item.partition("=")
         parts = key.strip().split(".")
@@ -203,4 +205,17 @@ def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, A
                 raise TemplateError(f"--set {key}: {where} is a {type(child).__name__}, not a mapping")
             node = child
         node[parts[-1]] = value
+    _length_follows(conf, keys)
     return conf
+
+
+def _length_follows(conf: dict[str, Any], keys: list[str]) -> None:
+    """A new ``data.det_lab.max_length`` also becomes ASHA's ``max_time`` (same unit)."""
+    searcher = conf.get("searcher")
+    if "searcher.max_time" in keys or not isinstance(searcher, dict) or not searcher.get("max_time"):
+        return
+    if not any(k.startswith("data.det_lab.max_length") for k in keys):
+        return
+    length = ((conf.get("data") or {}).get("det_lab") or {}).get("max_length")
+    if isinstance(length, dict) and isinstance(length.get(searcher.get("time_metric")), int):
+        searcher["max_time"] = length[searcher["time_metric"]]

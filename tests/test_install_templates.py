@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import importlib.util
 import os
 import subprocess
 import sys
@@ -43,10 +44,11 @@ def test_copy_is_whole_and_never_overwrites(tmp_path):
 
 def test_set_overrides_reach_the_experiment_config():
     conf = yaml.safe_load((REPO / "experiment_templates/vla/search.yaml").read_text())
-    templates.apply_overrides(conf, ["data.det_lab.max_length.batches=50", "searcher.max_time=50",
-                                     "hyperparameters.lr=0.01", "name=quick check", "labels=[a, b]"])
+    assert training_length(conf, lab_section(conf)).batches == 2000  # ASHA's max_time
+    templates.apply_overrides(conf, ["data.det_lab.max_length.batches=50", "hyperparameters.lr=0.01",
+                                     "name=quick check", "labels=[a, b]"])
     lab = lab_section(conf)
-    assert training_length(conf, lab).batches == 50
+    assert training_length(conf, lab).batches == 50 and conf["searcher"]["max_time"] == 50
     assert conf["hyperparameters"]["lr"] == 0.01 and conf["name"] == "quick check" and conf["labels"] == ["a", "b"]
 
 
@@ -84,3 +86,52 @@ def test_optional_requirements_are_named_with_their_install_command():
     (line,) = missing
     assert line.startswith("template 3dgs needs gsplat") and "pip install gsplat" in line
     assert templates.missing_requirements(templates.resolve("3dgs"), {"backend": "torch"}) == []
+
+
+# --- through det-lab run ------------------------------------------------------------------------
+
+FAILING_TRIAL = {
+    "name": "fails", "entrypoint": "python3 train.py",
+    "searcher": {"name": "single", "metric": "loss", "smaller_is_better": True},
+    "hyperparameters": {}, "max_restarts": 0,
+    "data": {"det_lab": {"project": "vla", "max_length": {"batches": 10}, "tracking": "none"}},
+}
+
+
+def _runs(lab) -> list[Path]:
+    runs = lab.root / "outputs" / "vla" / "local-runs"
+    return sorted(runs.iterdir()) if runs.is_dir() else []
+
+
+def test_missing_optional_package_refuses_before_anything_is_made(lab):
+    if importlib.util.find_spec("gsplat") is not None:
+        pytest.skip("gsplat is installed here")
+    lab.cli("init", check=True)
+    proc = lab.cli("run", "3dgs", "--local", "--set", "hyperparameters.backend=gsplat", "--set", "data.det_lab.dataset=null")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: template 3dgs needs gsplat") and "pip install gsplat" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not list((lab.root / "outputs" / "3dgs").glob("local-runs/*"))
+
+
+def test_bad_set_and_set_on_resume_are_one_line(lab):
+    lab.cli("init", check=True)
+    proc = lab.cli("run", "vla", "--local", "--set", "data.det_lab.max_length=")
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "max_length" in proc.stderr
+    proc = lab.cli("run", "vla", "--local", "--set", "name.x=1")
+    assert proc.returncode == 2 and proc.stderr == "error: --set name.x: name is a str, not a mapping\n"
+    proc = lab.cli("run", "vla", "--local", "--resume", "--set", "hyperparameters.lr=1")
+    assert proc.returncode == 2 and "--set applies to new runs" in proc.stderr
+    assert _runs(lab) == []
+
+
+def test_a_run_without_checkpoint_offers_no_resume(lab, tmp_path):
+    lab.cli("init", check=True)
+    trial = tmp_path / "fails"
+    trial.mkdir()
+    (trial / "const.yaml").write_text(yaml.safe_dump(FAILING_TRIAL))
+    (trial / "train.py").write_text("raise SystemExit('no GPU here')\n")
+    proc = lab.cli("run", str(trial), "--local")
+    assert proc.returncode == 1
+    assert "no GPU here" in proc.stdout and "resume with" not in proc.stdout
+    assert [line.split() for line in proc.stdout.splitlines() if "checkpoints" in line] == [["│", "checkpoints", "│", "none", "│"]]

@@ -72,7 +72,7 @@ def test_the_wheel_carries_templates_and_notebooks(wheel):
     assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
 
 
-def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, tmp_path):
+def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, wheel, tmp_path):
     env, bin_ = _env(tmp_path), venv / "bin"
     imported = _sh(bin_ / "python", "-c", "import det_lab; print(det_lab.__file__)", cwd=tmp_path, env=env).stdout
     assert Path(imported.strip()).is_relative_to(venv), f"det_lab came from {imported}, not the wheel"
@@ -85,25 +85,32 @@ def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, tmp_path):
     assert str(packaged / "_notebooks") in listing
 
     _sh(bin_ / "det-lab", "templates", "copy", "3dgs", "my-splats", cwd=tmp_path, env=env)
-    assert (tmp_path / "my-splats/train.py").read_bytes() == (REPO / "experiment_templates/gaussian_splatting/train.py").read_bytes()
+    assert (tmp_path / "my-splats/train.py").read_bytes() == (packaged / "_templates/gaussian_splatting/train.py").read_bytes()
     assert os.access(tmp_path / "my-splats/startup-hook.sh", os.X_OK)
     _sh(bin_ / "det-lab", "templates", "copy", "notebooks", "nb", cwd=tmp_path, env=env)
-    assert sorted(p.name for p in (tmp_path / "nb").iterdir()) == sorted(p.name for p in (REPO / "notebooks").glob("*.ipynb"))
+    assert sorted(p.name for p in (tmp_path / "nb").iterdir()) == sorted(p.name for p in (packaged / "_notebooks").iterdir())
     again = subprocess.run([bin_ / "det-lab", "templates", "copy", "vla", "my-splats"], cwd=tmp_path, env=env,
                            capture_output=True, text=True)
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "already exists" in again.stderr
     assert not (tmp_path / "my-splats/const.yaml").read_text().startswith("# A tiny VLA")
 
     _sh(bin_ / "det-lab", "init", "--demo", cwd=tmp_path, env=env)
-    tiny = yaml.safe_load((packaged / "_templates/vla/const.yaml").read_text())
-    tiny["data"]["det_lab"]["max_length"] = {"batches": 20}
-    tiny["min_validation_period"] = tiny["min_checkpoint_period"] = {"batches": 10}
-    (tmp_path / "tiny.yaml").write_text(yaml.safe_dump(tiny))
-    run = _sh(bin_ / "det-lab", "run", "vla", "--local", "--config", tmp_path / "tiny.yaml", cwd=tmp_path, env=env)
-    assert "finished" in run.stdout, run.stdout
-    ckpts = [p for p in (tmp_path / "lab-data/checkpoints/vla").iterdir() if (p / "metadata.json").is_file()]
+    run = _sh(bin_ / "det-lab", "run", "vla", "--local", "--set", "data.det_lab.max_length.batches=20",
+              "--set", "min_validation_period.batches=10", "--set", "min_checkpoint_period.batches=10",
+              cwd=tmp_path, env=env).stdout
+    assert "finished" in run and "20 of 20 batches" in run, run
+    ckpt_root = tmp_path / "lab-data/checkpoints/vla"
+    ckpts = [p for p in ckpt_root.iterdir() if (p / "metadata.json").is_file()]
     assert len(ckpts) == 2  # at batches 10 and 20
+    # the summary names where everything is, whole, though stdout is a pipe
+    rows = {line.split("│")[1].strip(): line.split("│")[2].strip() for line in run.splitlines() if line.count("│") == 3}
+    latest = max(ckpts, key=lambda p: p.stat().st_mtime)
+    assert rows["checkpoints"] == f"2 in {ckpt_root}; latest {latest} (step 20)"
+    store = f"sqlite:///{tmp_path}/xdg-data/det-lab/mlflow.db"
+    assert f"open it: mlflow ui --backend-store-uri {store}" in run
+    assert "resume with" not in run
     # nothing but interpreter caches was written into the installed template (site-packages
     # may be read-only for the user)
     assert sorted(p.name for p in (packaged / "_templates/vla").iterdir() if p.name != "__pycache__") == \
-        sorted(p.name for p in (REPO / "experiment_templates/vla").iterdir() if p.name != "__pycache__")
+        sorted(n.removeprefix("det_lab/_templates/vla/") for n in zipfile.ZipFile(wheel).namelist()
+               if n.startswith("det_lab/_templates/vla/"))

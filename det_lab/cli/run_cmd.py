@@ -9,7 +9,11 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from det_lab.cli.common import console, fail, state
+from det_lab import templates
+from det_lab.cli.common import console, err_console, fail, state, viewer_command
+from det_lab.core import local_checkpoint_dir
+from det_lab.settings import LabSettings
+from det_lab.tracking.journal import Journal, JournalError
 from det_lab.trials import local
 from det_lab.trials.record import LocalRunRecord
 
@@ -22,14 +26,25 @@ def run(
     resume: bool = typer.Option(False, "--resume", help="Continue the latest local run of this template."),
     run_name: str | None = typer.Option(None, "--run", help="With --resume: the run to continue; without: the new run's name."),
     seed: int | None = typer.Option(None, help="Seed for sampling hyperparameters of a search config."),
+    overrides: list[str] = typer.Option(
+        [], "--set", metavar="KEY=VALUE",
+        help="Set a key of the experiment config, dotted (data.det_lab.max_length.batches=50); repeatable."),
+    slurm: bool = typer.Option(False, "--slurm", help="Submit it as a Slurm job (a search: an Optuna job array)."),
+    partition: str | None = typer.Option(None, "--partition", help="With --slurm: the partition (one per GPU kind)."),
+    time_limit: str | None = typer.Option(None, "--time", help="With --slurm: the job's time limit, e.g. 04:00:00."),
+    wait: bool = typer.Option(False, "--wait", help="With --slurm: follow the job; exit with the trial's outcome."),
 ) -> None:
-    """Train a template: locally with --local (the cluster path is 'det experiment create')."""
+    """Train a template: here with --local, as a Slurm job with --slurm (on Determined: det experiment create)."""
+    if slurm:
+        from det_lab.cli.slurm_cmds import run_slurm
+
+        return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
     if not local_mode:
-        fail("only --local runs start from det-lab; on a cluster use: det experiment create <config> <dir>")
+        fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
     settings = state(ctx).settings
     try:
         run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
-                                           name=None if resume else run_name)
+                                           overrides=overrides, name=None if resume else run_name, warn=_warn)
     except (local.RunError, ValueError) as exc:
         fail(str(exc))
     st = run_.state()
@@ -38,32 +53,56 @@ def run(
     proc = local.launch(run_, cwd, command, settings)
     code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
     local.record_exit(run_, code)
-    _summary(run_, code)
+    _summary(run_, code, settings)
     if code != 0:
         raise typer.Exit(code if code > 0 else 1)
 
 
-def _summary(run_: LocalRunRecord, code: int) -> None:
+def _warn(message: str) -> None:
+    err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
+def _summary(run_: LocalRunRecord, code: int, settings: LabSettings) -> None:
     st = run_.state()
     step, val = run_.progress()
     title = st["status"] if code == 0 else f"{st['status']} (exit code {code})"
     table = Table(title=f"{st['name']}: {title}", show_header=False,
                   title_justify="left")
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # paths and commands are for copying: folded, never cut
     table.add_row("run directory", str(run_.dir))
+    table.add_row("metrics", str(run_.metrics_file))
     table.add_row("steps", f"{step} of {st['max_length']} {st['max_length_unit']}")
     if val:
         table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in val.items() if k not in ("batches", "epochs")))
     ckpts = st.get("checkpoints", [])
-    table.add_row("checkpoints", f"{len(ckpts)}; latest {st.get('latest_checkpoint')} (step {st.get('latest_checkpoint_step')})")
+    if st.get("latest_checkpoint"):
+        where = local_checkpoint_dir(settings, st["exp_conf"]["data"]["det_lab"]["project"], st["exp_conf"])
+        table.add_row("checkpoints", f"{len(ckpts)} in {where}; latest {where / st['latest_checkpoint']} "
+                                     f"(step {st.get('latest_checkpoint_step')})")
+    else:
+        table.add_row("checkpoints", "none")
     summary = run_.tracking_summary()
     if summary is not None:
         for b in summary["backends"]:
             line = f"run {b['run_id']}: {b['delivered']} events delivered"
             if b["pending"]:
                 line += f", {b['pending']} waiting in {summary['journal']}"
+            target = _targets(summary["journal"]).get(b["backend"])
+            if target:
+                line += f"\nstore: {target}\nopen it: {viewer_command(b['backend'], target)}"
             table.add_row(b["backend"], line)
     if code != 0:
         table.add_row("last log lines", local.tail(run_.log_file))
-    if st["status"] != "finished":
-        table.add_row("resume with", f"det-lab run {st['template']} --local --resume --run {st['name']}")
+    if st["status"] != "finished" and st.get("latest_checkpoint"):
+        again = templates.run_argument(Path(st["cwd"]))
+        table.add_row("resume with", f"det-lab run {again} --local --resume --run {st['name']}")
     console.print(table)
+
+
+def _targets(journal: str) -> dict[str, str]:
+    """Where each backend delivered the run's metrics, as its journal recorded it."""
+    try:
+        return Journal(Path(journal)).run()[1]
+    except (JournalError, OSError):
+        return {}

@@ -22,6 +22,11 @@ Shims (:func:`harness_shims`) for what Determined 0.38.1's harness gets wrong on
    ``steps_completed=0`` to the trial controller in local mode (on a cluster the master supplies
    it), so a resumed trial trains on different batches than an uninterrupted one. We pass the
    checkpoint's own ``steps_completed``.
+6. A shuffling ``det.pytorch.DataLoader`` draws each epoch's order from the global torch RNG
+   (``RandomSampler`` without a generator), which the harness restores from the checkpoint
+   before the first batch: a resumed trial, on a cluster too, trains on other batches than an
+   uninterrupted one. Such a sampler gets its own generator seeded with the trial seed; the
+   harness's batch skipping then replays its epochs exactly.
 
 Interception (:func:`intercept`): four methods of a trial's ``det.core.Context`` are wrapped,
 calling the original first so Determined gets what it did before:
@@ -41,7 +46,6 @@ import contextlib
 import functools
 import importlib.util
 import json
-import os
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +53,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+
+from det_lab.volume import share_tree
 
 
 @dataclass(frozen=True)
@@ -232,7 +238,7 @@ def _user_code_ignore(skip: list[Path]) -> Callable[[str, list[str]], set[str]]:
 
 @contextlib.contextmanager
 def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iterator[None]:
-    """Apply shims 1 and 3-5 for the duration of a trial.
+    """Apply shims 1 and 3-6 for the duration of a trial.
 
     ``checkpoint_dir`` (off-cluster only) is where checkpoints go; ``skip_in_code`` are paths
     never copied into a checkpoint's ``code/``.
@@ -246,6 +252,8 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
 
     class Controller(orig_controller):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
+            trial = kwargs["trial_inst"] if "trial_inst" in kwargs else args[0]
+            trial.build_training_data_loader = _seeding_shuffle(trial.build_training_data_loader)
             latest = kwargs.get("latest_checkpoint")
             if kwargs.get("local_training") and latest and not kwargs.get("steps_completed") and checkpoint_dir:
                 kwargs["steps_completed"] = _steps_completed(checkpoint_dir / latest)
@@ -253,13 +261,14 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
 
     @functools.wraps(orig_write)
     def write_user_code(path: Path, on_cluster: bool) -> None:
-        if on_cluster:
-            return orig_write(path, on_cluster)
         code_path = Path(path) / "code"
-        if code_path.exists():
-            shutil.rmtree(code_path)
-        shutil.copytree(".", code_path, ignore=_user_code_ignore([*skip_in_code, Path(path)]))
-        os.chmod(code_path, 0o755)
+        if on_cluster:
+            orig_write(path, on_cluster)
+        else:
+            if code_path.exists():
+                shutil.rmtree(code_path)
+            shutil.copytree(".", code_path, ignore=_user_code_ignore([*skip_in_code, Path(path)]))
+        share_tree(code_path)  # Determined makes code/ 0755 (and copies modes): the group could not delete it
 
     @functools.wraps(orig_init)
     def init(*args, **kwargs):
@@ -272,6 +281,24 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
         yield
     finally:
         core.init, util.write_user_code, pytorch._PyTorchTrialController = orig_init, orig_write, orig_controller
+
+
+def _seeding_shuffle(build: Callable[[], Any]) -> Callable[[], Any]:
+    """Shim 6: a shuffling ``det.pytorch.DataLoader`` whose sampler has no generator gets one."""
+
+    def build_training_data_loader() -> Any:
+        import torch
+        from determined import pytorch
+
+        loader = build()
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(loader, pytorch.DataLoader) and isinstance(sampler, torch.utils.data.RandomSampler) \
+                and sampler.generator is None:
+            # torch.initial_seed() is the trial seed here (Determined's on a cluster, det_lab's locally)
+            sampler.generator = torch.Generator().manual_seed(torch.initial_seed())
+        return loader
+
+    return build_training_data_loader
 
 
 def _steps_completed(checkpoint: Path) -> int:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from det_lab.settings import LabSettings, read_yaml_mapping
 from det_lab.trials.expconf import ExpConfError, lab_section, training_length
 from det_lab.trials.identity import LOCAL_RUN_ENV
 from det_lab.trials.lineage import CODE_COMMIT_ENV
+from det_lab.trials import run_guard
 from det_lab.trials.record import LocalRunRecord, open_record
 from det_lab.trials.validate import preflight
 from det_lab.volume import VolumeLayout
@@ -108,13 +110,16 @@ def entry_command(entrypoint: str | list[str]) -> list[str]:
 
 def prepare(settings: LabSettings, template: str, config: Path | None, resume: bool | str,
             seed: int | None = None, record_cls: type[LocalRunRecord] = LocalRunRecord,
-            name: str | None = None,
-            ) -> tuple[LocalRunRecord, Path, list[str]]:
+            overrides: list[str] | tuple[str, ...] = (), name: str | None = None,
+            warn: Callable[[str], None] | None = None) -> tuple[LocalRunRecord, Path, list[str]]:
     """Create (or, with ``resume``, reopen) a local-style run of kind ``record_cls``; returns its
     record, its cwd and its command. ``name`` names a new run (default: template, time, random).
     Checks that refuse a run belong before the staging directory is made."""
     tdir = resolve_template(template)
     cfg_path, conf = load_config(tdir, config)
+    if overrides and resume:
+        raise RunError("--set applies to new runs; a resumed run keeps the config it started with")
+    templates.apply_overrides(conf, list(overrides))
     preflight(conf, settings, str(cfg_path))  # what Determined or det_lab would refuse: before anything exists
     try:
         lab = lab_section(conf, str(cfg_path))
@@ -137,28 +142,44 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         state = run.state()
         if not state.get("latest_checkpoint"):
             raise RunError(f"run {state['name']} has no checkpoint yet to resume from; start a new run")
+        _require(tdir, state["hparams"])
+        try:  # one trainer per run: refused while one lives; a dead one's lock is broken, with a warning
+            stale = run_guard.break_stale(run.dir, state["name"])
+        except run_guard.RunBusy as exc:
+            raise RunError(str(exc)) from None
+        if stale and warn is not None:
+            warn(stale)
         state["resumed"] = state.get("resumed", 0) + 1
         state.pop("trial_status", None)  # the resumed trial reports its own
         run.save(state)
         return run, Path(state["cwd"]), state["command"]
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     name = name or f"{tdir.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    seed = seed if seed is not None else (conf.get("reproducibility") or {}).get("experiment_seed", 0)
+    rng = random.Random(seed)
+    hparams = sample_hparams(conf.get("hyperparameters") or {}, rng)
+    _require(tdir, hparams)
     # the run directory appears complete (with its run.json) or not at all
     staging = record_cls(root / f".{name}.tmp")
     staging.dir.mkdir()
-    seed = seed if seed is not None else (conf.get("reproducibility") or {}).get("experiment_seed", 0)
-    rng = random.Random(seed)
     command = entry_command(conf.get("entrypoint") or "")
     staging.save({
         "kind": record_cls.kind, "name": name, "run_key": f"local-{name}", "template": tdir.name, "config": str(cfg_path.resolve()),
         "cwd": str(tdir), "command": command, "exp_conf": conf,
-        "hparams": sample_hparams(conf.get("hyperparameters") or {}, rng),
+        "hparams": hparams,
         "max_length": length.value, "max_length_unit": "batches" if length.batches else "epochs",
         "seed": seed, "latest_checkpoint": None, "checkpoints": [], "created": stamp,
     })
     run = record_cls(root / name)
     staging.dir.rename(run.dir)
     return run, tdir, command
+
+
+def _require(template: Path, hparams: dict[str, Any]) -> None:
+    """Refuse a run whose template needs an optional package that is missing, naming its install."""
+    missing = templates.missing_requirements(template, hparams)
+    if missing:
+        raise RunError("; ".join(missing))
 
 
 def _find_run(root: Path, template: str, name: str | None) -> LocalRunRecord:
@@ -188,8 +209,11 @@ def trial_env(run: LocalRunRecord, cwd: Path, settings: LabSettings) -> dict[str
 def launch(run: LocalRunRecord, cwd: Path, command: list[str], settings: LabSettings) -> subprocess.Popen:
     """Start the trial process; its output goes to the run's ``train.log``."""
     log = open(run.log_file, "ab")
-    return subprocess.Popen(command, cwd=cwd, env=trial_env(run, cwd, settings), stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    # its own session (Ctrl-C reaches det-lab run, which stops the trial gracefully), yet never
+    # left training on its own: it gets SIGTERM when det-lab run dies, however that dies
+    env = {**trial_env(run, cwd, settings), run_guard.PARENT_ENV: str(os.getpid())}
+    return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True, preexec_fn=run_guard.die_with_parent(os.getpid()))
 
 
 def stop_gracefully(proc: subprocess.Popen, timeout: float = 120.0) -> int:
@@ -221,10 +245,17 @@ def tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def _interrupt(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+    raise KeyboardInterrupt
+
+
 def wait_with_progress(proc: subprocess.Popen, run: LocalRunRecord, show: bool) -> int:
-    """Wait for the trial, drawing a progress bar from its metrics; Ctrl-C stops it gracefully."""
+    """Wait for the trial, drawing a progress bar from its metrics. Ctrl-C, SIGTERM and SIGHUP (a
+    closed terminal) stop it gracefully: it checkpoints and stops, and its outcome is recorded."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     state = run.state()
     total = state["max_length"] if state.get("max_length_unit") == "batches" else None
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

@@ -64,7 +64,7 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
     identity = read_identity(exp_conf, hparams)
     conf = identity.exp_conf
     lab = lab_section(conf)
-    ckpt = None if identity.on_cluster else local_checkpoint_dir(settings, lab.project)
+    ckpt = None if identity.on_cluster else local_checkpoint_dir(settings, lab.project, conf)
     status = "FAILED"
     with harness_shims(ckpt, [settings.data_root]):
         with pytorch.init(hparams=identity.hparams, exp_conf=conf,

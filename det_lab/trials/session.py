@@ -32,6 +32,7 @@ import determined as det
 
 from det_lab.data import DatasetIdentity, PulledDataset, lookup
 from det_lab.data import pull as pull_dataset
+from det_lab.data.lock import VolumeLock
 from det_lab.settings import LabSettings
 from det_lab.tracking import DeliverySummary, Mirror, open_mirror
 from det_lab.tracking.events import flatten
@@ -41,7 +42,8 @@ from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything
 from det_lab.trials.record import RunRecord, record_for
-from det_lab.volume import VolumeLayout
+from det_lab.trials.run_guard import RunBusy, hold, parent_gone, watch_parent
+from det_lab.volume import VolumeLayout, share_with_group
 
 log = logging.getLogger("det_lab.trials")
 
@@ -62,6 +64,7 @@ class LabSession:
         self.lineage: dict[str, Any] = {}
         self.preempted = False
         self._preempt_requested = False
+        self._trainer_lock: VolumeLock | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -78,9 +81,18 @@ class LabSession:
     # --- start ---------------------------------------------------------------------------------------
 
     def start(self) -> LabSession:
+        share_with_group()  # what the trial writes on the volume stays the group's, whatever the umask
         if not self.identity.on_cluster and not logging.getLogger().handlers:
             # Determined's harness configures logging on a cluster; locally train.log would stay empty
             logging.basicConfig(level=logging.INFO, format=det.LOG_FORMAT)
+        if not self.identity.on_cluster:
+            signal.signal(signal.SIGTERM, self._request_preempt)
+            watch_parent(self._parent_gone)
+        if self.is_chief and self.record.keeps_progress:  # a local-style run: one trainer at a time
+            try:
+                self._trainer_lock = hold(self.record.dir, self.identity.run.name)
+            except RunBusy as exc:
+                raise SystemExit(f"error: {exc}") from None
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
@@ -90,8 +102,6 @@ class LabSession:
             self.mirror.log_params(self.identity.hparams)
             self.mirror.set_tags(flatten(self.lineage))
         intercept(self.core, self)
-        if not self.identity.on_cluster:
-            signal.signal(signal.SIGTERM, self._request_preempt)
         return self
 
     def _pull_dataset(self) -> PulledDataset | None:
@@ -135,6 +145,10 @@ class LabSession:
     def _request_preempt(self, signum, frame) -> None:  # noqa: ARG002 (signal handler signature)
         self._preempt_requested = True
 
+    def _parent_gone(self, pid: int) -> None:
+        log.warning("det_lab: det-lab run (pid %d) is gone: checkpointing and stopping", pid)
+        self._preempt_requested = True
+
     # --- close ---------------------------------------------------------------------------------------
 
     def close(self, status: str) -> DeliverySummary | None:
@@ -145,6 +159,11 @@ class LabSession:
         if self.is_chief:
             self.record.record_outcome(status, None if summary is None else
                                        {**asdict(summary), "journal": str(summary.journal)})
+            if parent_gone():  # det-lab run died first: nobody else will record how the run ended
+                self.record.update(status={"FINISHED": "finished", "KILLED": "stopped"}.get(status, "failed"))
+        if self._trainer_lock is not None:
+            self._trainer_lock.__exit__(None, None, None)
+            self._trainer_lock = None
         return summary
 
     def close_at_exit(self) -> DeliverySummary | None:
