@@ -7,9 +7,8 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.common import console, fail, state
-from det_lab.tracking.delivery import deliver_journal
 from det_lab.tracking.journal import JournalError
-from det_lab.tracking.sync import find_journals, pending
+from det_lab.tracking.sync import find_journals, pending, sync
 
 app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals.", no_args_is_help=True)
 
@@ -35,7 +34,7 @@ def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="
     left = 0
     for j in journals:
         try:
-            summary = deliver_journal(j)
+            summary = sync(j)
         except JournalError as exc:
             fail(str(exc))
         console.print(str(summary), highlight=False)

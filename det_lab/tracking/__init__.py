@@ -9,7 +9,7 @@
 The trial process only journals (:class:`.mirror.Mirror`, :mod:`.journal`); one sender process
 per backend delivers (:mod:`.sender`), through one small class per tracker
 (:mod:`.mlflow_backend`, :mod:`.aim_backend`) behind :class:`.backend.TrackerBackend`.
-``det-lab tracking sync`` delivers what a finished run's senders could not (:mod:`.delivery`).
+``det-lab tracking sync`` delivers what a finished run's senders could not (:mod:`.sync`).
 """
 
 from __future__ import annotations

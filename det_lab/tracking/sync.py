@@ -1,13 +1,20 @@
-"""Deliver what finished runs left in their journals while a tracker was down."""
+"""``det-lab tracking sync``: deliver what finished runs' senders left in their journals.
+
+Each backend is delivered to the target recorded in the journal when the run started, whatever
+the shell running sync is configured for. Sync only reads the journal and moves its cursors: a
+failed attempt leaves it exactly as it was.
+"""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from det_lab.settings import LabSettings
-from det_lab.tracking.journal import Journal
-from det_lab.tracking.mirror import DeliverySummary, Mirror
+from det_lab.tracking.journal import Journal, JournalError
+from det_lab.tracking.mirror import BackendSummary, DeliverySummary
+from det_lab.tracking.sender import Busy, Sender, sender_lock
 from det_lab.trials import record
 from det_lab.volume import VolumeLayout
 
@@ -18,15 +25,35 @@ def find_journals(settings: LabSettings) -> Iterator[Path]:
 
 
 def pending(journal_dir: Path) -> int:
+    """Events of the journal some backend has not acknowledged (all of them if it names no target)."""
     journal = Journal(journal_dir)
-    _, backends = journal.run()
-    return sum(journal.pending(b) for b in backends)
+    try:
+        _, targets = journal.run()
+    except JournalError:
+        return journal.last_seq
+    return sum(journal.pending(b) for b in targets)
 
 
-def sync(settings: LabSettings, journal_dir: Path, timeout: float = 60.0) -> DeliverySummary:
-    """Replay one journal into its tracker runs (the same runs, found by their keys)."""
-    from det_lab.tracking import backends_for
-
-    run, names = Journal(journal_dir).run()
-    backends = backends_for(settings, "both" if len(names) > 1 else (names[0] if names else "none"))
-    return Mirror(run, backends, journal_dir).close(timeout=timeout)
+def sync(journal_dir: Path, timeout: float = 60.0) -> DeliverySummary:
+    """Replay one journal into its tracker runs, at the targets the journal recorded (the same
+    runs, found by their keys), within ``timeout`` s; waits (within it) for a sender still at
+    work on the journal. Raises :class:`JournalError` if the journal recorded no targets."""
+    journal = Journal(journal_dir)
+    _, targets = journal.run()
+    summary = DeliverySummary(journal_dir)
+    deadline = time.monotonic() + timeout
+    for name in targets:
+        error, delivered = None, 0
+        if journal.pending(name):
+            try:
+                with sender_lock(journal_dir, name, timeout=max(0.0, deadline - time.monotonic())):
+                    sender = Sender(journal_dir, name)
+                    sender.drain(max(1.0, deadline - time.monotonic()))
+                    delivered = sender.delivered
+                    error = sender.cursor.error if sender.down else None
+            except Busy as exc:
+                error = str(exc)
+        cursor = journal.cursor(name)
+        summary.backends.append(BackendSummary(name, delivered, Journal(journal_dir).last_seq - cursor.seq,
+                                               cursor.run_id, error))
+    return summary
