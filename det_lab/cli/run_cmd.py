@@ -38,6 +38,9 @@ def run(
     if slurm:
         from det_lab.cli.slurm_cmds import run_slurm
 
+        if resume or run_name:
+            fail("a Slurm run resumes by resubmitting its job script: sbatch <run directory>/job.sbatch "
+                 "(det-lab runs show NAME prints it)")
         return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")

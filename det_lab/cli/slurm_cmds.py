@@ -153,14 +153,10 @@ def wait_for(run_, job_id: str) -> int:
                   highlight=False)
     if status == "finished":
         return 0
-    console.print(local_tail(run_), highlight=False)
-    return int(st.get("exit_code") or 0) or 1
-
-
-def local_tail(run_) -> str:
     from det_lab.trials import local
 
-    return local.tail(run_.log_file)
+    console.print(local.tail(run_.log_file), highlight=False)
+    return int(st.get("exit_code") or 0) or 1
 
 
 def apply_sets(conf: dict, sets: list[str]) -> dict:

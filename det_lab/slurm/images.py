@@ -19,7 +19,6 @@ The driver itself runs on the node, outside the image.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,3 @@ def apptainer_prefix(sif: Path, lab: LabSettings, cwd: Path, exp_conf: dict[str,
 def container_command(command: list[str], host_python: str) -> list[str]:
     """The trial command as the image runs it: the image's ``python3``, not the host interpreter."""
     return ["python3" if c == host_python else c for c in command]
-
-
-def describe(prefix: list[str]) -> str:
-    return shlex.join(prefix)
