@@ -27,6 +27,21 @@ def assert_refused(proc: subprocess.CompletedProcess, *needles: str, code: int =
     return lines[0]
 
 
+def cli(lab: Lab, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """``det-lab ARGS`` in this process (typer's runner: no interpreter start), in ``lab``'s
+    environment plus ``env``. An exception escaping the CLI fails the test: a user would see a
+    traceback."""
+    from typer.testing import CliRunner
+
+    from det_lab.cli.app import app
+
+    full = {k: None for k in os.environ if k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    result = CliRunner().invoke(app, list(args), env={**full, **lab.env, **env})
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def snapshot_tree(root: Path) -> dict[str, tuple[int, int]]:
     """Every path under ``root`` with its size and mtime: equal before and after = nothing written."""
     if not root.exists():
@@ -40,22 +55,27 @@ def snapshot_tree(root: Path) -> dict[str, tuple[int, int]]:
 
 def test_config_file_that_is_not_utf8(lab):
     lab.config.write_bytes(f"data_root: {lab.root}\n# caf\xe9 in Latin-1\n".encode("latin-1"))
-    assert_refused(lab.cli("init"), str(lab.config), "UTF-8")
+    assert_refused(cli(lab, "init"), str(lab.config), "UTF-8")
     assert not lab.root.exists()
 
 
 def test_quota_with_two_decimal_points_is_refused(lab):
     lab.write_config(projects={"vla": {"quota": "1.5.5GiB"}})
-    assert_refused(lab.cli("init"), str(lab.config), "projects.vla.quota", "1.5.5GiB")
+    assert_refused(cli(lab, "init"), str(lab.config), "projects.vla.quota", "1.5.5GiB")
     assert not lab.root.exists()
 
 
 @pytest.mark.parametrize("name", sorted(n for n, v in ENV_VARS.items() if v.bad_example is not None))
 def test_every_unparseable_environment_variable_is_one_line(lab, name):
     bad = ENV_VARS[name].bad_example
-    proc = subprocess.run([str(VENV_BIN / "det-lab"), "init"], env={**lab.env, name: bad},
+    assert_refused(cli(lab, "init", **{name: bad}), f"{name}={bad}")
+    assert not lab.root.exists()
+
+
+def test_an_unparseable_variable_stops_the_real_command_at_start(lab):
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "init"], env={**lab.env, "DET_LAB_LOCK_LIFETIME": "1m"},
                           cwd=lab.config.parent, capture_output=True, text=True, timeout=120)
-    assert_refused(proc, f"{name}={bad}")
+    assert_refused(proc, "DET_LAB_LOCK_LIFETIME=1m", "a positive whole number")
     assert not lab.root.exists()
 
 
@@ -78,7 +98,7 @@ def test_readme_documents_every_environment_variable():
 
 @pytest.fixture
 def volume(lab):
-    lab.cli("init", check=True)
+    assert cli(lab, "init").returncode == 0
     return lab
 
 
@@ -110,7 +130,7 @@ def test_damaged_dataset_registry(volume, tmp_path, case):
     before = snapshot_tree(volume.root)
     for args in (["data", "pull", "tiny"], ["data", "list"],
                  ["data", "register", "new", "--project", "vla", "--repo", str(tmp_path), "--path", "d"]):
-        line = assert_refused(volume.cli(*args), str(registry))
+        line = assert_refused(cli(volume, *args), str(registry))
         assert "det-lab data register" in line  # the fix: move it aside and register again
     assert snapshot_tree(volume.root) == before
 
@@ -159,7 +179,7 @@ def test_pull_and_register_on_a_read_only_volume(volume, tmp_path):
                                  "--path", "data/tiny"), "not writable", "read-write")
     assert snapshot_tree(volume.root) == before
     # once pulled, a read-only mount (how some machines mount the volume) serves the snapshot
-    volume.cli("data", "pull", "tiny", check=True)
+    assert cli(volume, "data", "pull", "tiny").returncode == 0
     proc = cli_read_only(volume, "data", "pull", "tiny")
     assert proc.returncode == 0 and "already on the volume" in proc.stdout, proc.stderr
 
@@ -221,7 +241,7 @@ def shared(tmp_path_factory) -> Lab:
     lab = Lab(tmp / "data", tmp / "lab.yaml", {**env, "DET_LAB_CONFIG": str(tmp / "lab.yaml"),
                                                  "XDG_CONFIG_HOME": str(tmp / "xdg"), "COLUMNS": "200"})
     lab.write_config()
-    lab.cli("init", check=True)
+    assert cli(lab, "init").returncode == 0
     publish_tiny(lab, tmp)
     return lab
 
@@ -338,7 +358,7 @@ def test_run_refuses_a_bad_config_before_anything_is_created(shared, tmp_path, c
     conf, expected = RUN_REJECTS[case]
     path = write_config(tmp_path, conf)
     before = snapshot_tree(shared.root)
-    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path)), expected)
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path)), expected)
     assert snapshot_tree(shared.root) == before
 
 
@@ -368,7 +388,7 @@ def test_run_name_without_resume_is_refused(shared, tmp_path):
     run = _existing_run(shared)
     path = write_config(tmp_path, vla_config())
     before = snapshot_tree(shared.root)
-    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--run", run.name),
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--run", run.name),
                    f"run {run.name} exists; use --resume to continue it or choose another name")
     assert snapshot_tree(shared.root) == before
 
@@ -377,6 +397,6 @@ def test_damaged_run_record_is_one_line(shared, tmp_path):
     run = _existing_run(shared, '{"name": "vla-2026", "latest_checkp')
     path = write_config(tmp_path, vla_config())
     before = snapshot_tree(shared.root)
-    assert_refused(shared.cli("run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--resume",
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--resume",
                               "--run", run.name), str(run / "run.json"))
     assert snapshot_tree(shared.root) == before
