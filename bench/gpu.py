@@ -3,6 +3,12 @@
     python bench/gpu.py --prepare                 # here, once: baseline code + bench data (git, DVC)
     python bench/gpu.py --out DIR                 # on the GPU machine (no git or DVC needed there)
     python bench/gpu.py --out DIR --cpu-smoke     # every code path at toy sizes, on CPU
+    python bench/gpu.py --out DIR --only vla,vla-large   # some sections (vla, 3dgs, vla-large)
+
+On the GPU machine: the wheels of what its image lacks (determined, pydantic, flufl.lock, gsplat
+...) installed to a directory on PYTHONPATH after ``.gpu-run/pkg``, and ``.gpu-run`` reachable at
+the path it had here (the dataset is found by that path). gsplat's CUDA code is built in the
+background while the VLA figures are measured.
 
 ``--prepare`` writes ``.gpu-run/`` (git-ignored): the templates' files as of BASELINE_REV (the
 "today" side of every comparison, run in the same process as the new code), a copy of det_lab
@@ -18,9 +24,12 @@ VLA (bf16 autocast, batch 256 on one GPU, ``gpu.yaml``'s model):
   achieved TFLOP/s = FLOPs of one forward+backward (torch's FlopCounterMode) / ms per batch.
   ``gpu-large.yaml`` (~100M parameters, two 224x224 cameras) likewise, plain loop and fixed batch.
 3DGS (gsplat backend):
-  at 100k and 1M Gaussians (1237x822, SH degree 3): gsplat's rasterization forward+backward
-  alone, an iteration of the new loop (``step.TrainStep``), an iteration of the old loop; PSNR
-  on held-out views of a generated scene after the same iterations, old loop vs new (and MCMC).
+  at 100k and 1M Gaussians (1237x822, SH degree 3; at 1M also with 2.5x wider splats): gsplat's
+  rasterization forward+backward alone, an iteration of the new loop (``step.TrainStep``; at 1M
+  wide also without SSIM and without statistics), an iteration of the old loop; PSNR on held-out
+  views of a generated scene after the same iterations, old loop vs new (and MCMC); the MCMC
+  relocation against gsplat's CUDA kernel; the gsplat build time.
+Profiles (20 costliest operators) of one VLA step and one 3DGS iteration go to ``<out>``.
 
 Figures go to stdout and ``<out>/results.json`` as each is measured.
 """
@@ -168,6 +177,25 @@ def vla_train_ms(policy: torch.nn.Module, opt: torch.optim.Optimizer, batches: A
     return 1000 * (time.perf_counter() - start) / n
 
 
+def profile_table(out: Path, name: str, fn: Any, device: torch.device) -> None:
+    """Where a step's GPU time goes: the 20 costliest operators (self time) of ``fn()`` into
+    ``<out>/<name>_profile.txt``."""
+    if device.type != "cuda":
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        sync(device)
+    events = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):
+        try:
+            (out / f"{name}_profile.txt").write_text(events.table(sort_by=key, row_limit=20))
+            return
+        except (AttributeError, KeyError, ValueError):
+            continue
+
+
 def forever(loader: Any):
     while True:
         yield from loader
@@ -267,11 +295,20 @@ def vla_new(args: argparse.Namespace, out: Path, name: str, hp: dict[str, Any], 
     emit(out, "vla", f"{name}: fixed batch, no compile ms/batch", ms_eager)
     if hp.get("compile"):
         t0 = time.perf_counter()
-        policy.compile()
-        vla_train_ms(policy, opt, repeat(fixed, device), 1, 2, device, bf16, clip)
-        emit(out, "vla", f"{name}: torch.compile warm-up (s)", time.perf_counter() - t0)
+        try:
+            vla_model.apply_speed_switches(policy, hp)  # as the template does: compile and its options
+            vla_train_ms(policy, opt, repeat(fixed, device), 1, 2, device, bf16, clip)
+            emit(out, "vla", f"{name}: torch.compile warm-up (s)", time.perf_counter() - t0)
+        except Exception:  # noqa: BLE001 (measure the rest without it, and say so)
+            traceback.print_exc()
+            emit(out, "vla", f"{name}: torch.compile", "FAILED (traceback above); measured without")
+            hp["compile"] = False
+            policy = build_policy(vla_model, hp, splits.full, device)
+            vla_model.apply_speed_switches(policy, hp)
+            opt = vla_model.build_optimizer(policy, hp)
     ms_fixed = vla_train_ms(policy, opt, repeat(fixed, device), args.vla_batches, args.warmup, device, bf16, clip)
     emit(out, "vla", f"{name}: fixed GPU batch ms/batch", ms_fixed)
+    profile_table(out, f"vla_{name}", lambda: vla_train_ms(policy, opt, repeat(fixed, device), 5, 0, device, bf16, clip), device)
     ms_loop = vla_train_ms(policy, opt, forever(loader), args.vla_batches, args.warmup, device, bf16, clip)
     emit(out, "vla", f"{name}: plain loop ms/batch", ms_loop)
     emit(out, "vla", f"{name}: TFLOP/s (fixed batch)", flops / ms_fixed / 1e9)
@@ -341,10 +378,19 @@ def vla_section(args: argparse.Namespace, out: Path, device: torch.device) -> No
     except Exception:  # noqa: BLE001 (report and go on to the other figures)
         traceback.print_exc()
         emit(out, "vla", "harness", "FAILED (traceback above)")
+
+
+def vla_large_section(args: argparse.Namespace, out: Path, device: torch.device) -> None:
+    """gpu-large.yaml (~100M parameters, two 224x224 cameras): achieved TFLOP/s."""
+    if str(VLA_DIR) not in sys.path:
+        sys.path.insert(0, str(VLA_DIR))
     large = shrink(yaml.safe_load((VLA_DIR / "gpu-large.yaml").read_text())["hyperparameters"], args) | {"val_episodes": 2}
     two_cams = two_camera_dataset(Path(args.scratch) / "vla-two-cameras", 6 if args.cpu_smoke else 100)
-    large_batch = 4 if args.cpu_smoke else 128
-    vla_new(args, out, "large", large, two_cams, device, large_batch, cache_dir)
+    batches, args.vla_batches, args.warmup = (args.vla_batches, args.warmup), max(3, args.vla_batches // 2), max(1, args.warmup // 2)
+    try:
+        vla_new(args, out, "large", large, two_cams, device, 4 if args.cpu_smoke else 128, Path(args.scratch) / "frame-cache")
+    finally:
+        args.vla_batches, args.warmup = batches
 
 
 # --- 3DGS -------------------------------------------------------------------------------------------
@@ -428,20 +474,24 @@ def gs_modules() -> dict[str, ModuleType]:
 
 
 def gs_timing(args: argparse.Namespace, out: Path, m: dict[str, ModuleType], rast: Any, device: torch.device) -> None:
+    """Iteration time against gsplat's forward+backward. Two footprints at 1M: splats ~3x the
+    mean spacing (as at 100k) and 2.5x wider (more tile intersections: gsplat's own cost grows,
+    the loop's does not). At 1M wide, the loop's parts by difference: SSIM, densification stats."""
     G, R, S, old_G, old_M = m["G"], m["R"], m["S"], m["old_G"], m["old_M"]
     width, height = (64, 48) if args.cpu_smoke else (1237, 822)
     cam = cameras(R, 1, width, height, 0.8 * width, 3.0, device)[0]
     target = torch.rand(height, width, 3, generator=torch.Generator().manual_seed(0)).to(device)
     bg = torch.zeros(3, device=device)
-    sizes = [200, 1000] if args.cpu_smoke else [100_000, 1_000_000]
+    small, large = (200, 1000) if args.cpu_smoke else (100_000, 1_000_000)
+    cases = [(f"{small // 1000}k", small, 1.0), ("1M", large, 1.0), ("1M wide", large, 2.5)]
     reps, warm = (3, 1) if args.cpu_smoke else (30, 5)
     # statistics accumulate, no densify event inside the timed window
     schedule = G.Schedule(iterations=10**6, densify_from=10**6, densify_until=10**6, densify_every=100,
                           opacity_reset_every=10**6, sh_degree_every=1)
-    for n in sizes:
-        label = f"{n // 1000}k" if n < 1_000_000 else f"{n // 1_000_000}M"
-        params = random_gaussians(n, 3, device, 0, math.log(0.8 / n ** (1 / 3)))
-
+    no_stats = G.Schedule(iterations=10**6, densify_from=10**6, densify_until=0, densify_every=100,
+                          opacity_reset_every=10**6, sh_degree_every=1)
+    for label, n, widen in cases:
+        params = random_gaussians(n, 3, device, 0, math.log(widen * 0.8 / n ** (1 / 3)))
         leaves = {k: v.clone().requires_grad_(True) for k, v in params.items()}
 
         def fwd_bwd() -> None:
@@ -451,16 +501,21 @@ def gs_timing(args: argparse.Namespace, out: Path, m: dict[str, ModuleType], ras
                             background=bg, sh_degree=3)
             torch.abs(o.image - target).mean().backward()
 
-        emit(out, "3dgs", f"{label}: gsplat fwd+bwd ms", time_ms(fwd_bwd, reps, warm, device))
-
-        model = G.GaussianModel({k: v.clone() for k, v in params.items()}, 3, G.LearningRates(), 3.0)
-        model.active_sh_degree = 3
-        trainer = S.TrainStep(model, rast, schedule, densify=G.Densify(), device=device)
-        it = iter(range(1, 10**9))
-        emit(out, "3dgs", f"{label}: new loop iteration ms", time_ms(lambda: trainer(next(it), cam, target, bg), reps, warm, device))
-        emit(out, "3dgs", f"{label}: new / gsplat fwd+bwd", RESULTS["3dgs"][f"{label}: new loop iteration ms"]
-             / RESULTS["3dgs"][f"{label}: gsplat fwd+bwd ms"])
-        del model, trainer
+        gsplat_ms = time_ms(fwd_bwd, reps, warm, device)
+        emit(out, "3dgs", f"{label}: gsplat fwd+bwd ms", gsplat_ms)
+        variants = [("new loop iteration ms", schedule, 0.2)]
+        if label == "1M wide":
+            variants += [("new loop without SSIM ms", schedule, 0.0), ("new loop without stats ms", no_stats, 0.2)]
+        for name, sched, lam in variants:
+            model = G.GaussianModel({k: v.clone() for k, v in params.items()}, 3, G.LearningRates(), 3.0)
+            model.active_sh_degree = 3
+            trainer = S.TrainStep(model, rast, sched, densify=G.Densify(), ssim_lambda=lam, device=device)
+            it = iter(range(1, 10**9))
+            emit(out, "3dgs", f"{label}: {name}", time_ms(lambda: trainer(next(it), cam, target, bg), reps, warm, device))
+            if label == "1M wide" and name == "new loop iteration ms":
+                profile_table(out, "gs_1M_wide", lambda: [trainer(next(it), cam, target, bg) for _ in range(5)], device)
+            del model, trainer
+        emit(out, "3dgs", f"{label}: new / gsplat fwd+bwd", RESULTS["3dgs"][f"{label}: new loop iteration ms"] / gsplat_ms)
         old = old_G.GaussianModel({k: v.clone() for k, v in params.items()}, 3, old_G.LearningRates(), 3.0)
         old.active_sh_degree = 3
         gen = torch.Generator(device=device)
@@ -468,6 +523,7 @@ def gs_timing(args: argparse.Namespace, out: Path, m: dict[str, ModuleType], ras
         ms_old = time_ms(lambda: gs_old_iteration(old_G, old_M, old, rast, cam, target, bg, next(it), schedule,
                                                   old_G.Densify(), gen, device), reps, warm, device)
         emit(out, "3dgs", f"{label}: old loop iteration ms", ms_old)
+        emit(out, "3dgs", f"{label}: old / gsplat fwd+bwd", ms_old / gsplat_ms)
         del old, leaves
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -503,8 +559,10 @@ def gs_quality(args: argparse.Namespace, out: Path, m: dict[str, ModuleType], ra
     rgb = (gt["sh0"][pick, 0] * 0.28209479177387814 + 0.5).clamp(0, 1)
     extent = 1.1 * 3.5
     f = iters / 2000
+    # No opacity reset inside so short a run: after one, Inria's rule prunes splats wider than 20 px,
+    # which at 640x480 is most of a scene still being split (both loops fell to ~100 Gaussians)
     schedule = G.Schedule(iterations=iters, densify_from=max(1, int(100 * f)), densify_until=int(1500 * f),
-                          densify_every=max(10, int(100 * f)), opacity_reset_every=max(1, int(1000 * f)),
+                          densify_every=max(10, int(100 * f)), opacity_reset_every=iters + 1,
                           sh_degree_every=max(1, int(300 * f)))
     order = np.random.default_rng(0).choice(train, size=iters)
 
@@ -586,7 +644,7 @@ def start_gsplat_build(out: Path, scratch: Path) -> subprocess.Popen:
     cache directory this process then loads it from (as a task image with the build baked in)."""
     os.environ["TORCH_EXTENSIONS_DIR"] = str(scratch / "torch_extensions")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
-    os.environ.setdefault("MAX_JOBS", "8")
+    os.environ.setdefault("MAX_JOBS", "6")  # the rest of the 16 cores: loader workers, torch.compile
     log = open(out / "gsplat-build.log", "w")  # noqa: SIM115 (closed with the process)
     code = f"import time; t = time.time(); {GSPLAT_IMPORT}; print('BUILT_IN', time.time() - t)"
     return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
@@ -602,7 +660,7 @@ def main() -> None:
     ap.add_argument("--vla-batches", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--gs-iters", type=int, default=2000)
-    ap.add_argument("--only", choices=["vla", "3dgs"])
+    ap.add_argument("--only", type=lambda v: v.split(","), help="sections, comma-separated: vla,3dgs,vla-large")
     args = ap.parse_args()
     if args.prepare:
         prepare()
@@ -617,10 +675,11 @@ def main() -> None:
     if device.type == "cuda":
         emit(out, "machine", "gpu", torch.cuda.get_device_name())
         emit(out, "machine", "torch", torch.__version__)
-    build = None if args.cpu_smoke or args.only == "vla" else start_gsplat_build(out, Path(args.scratch))
+    build = None if args.cpu_smoke or (args.only and "3dgs" not in args.only) else start_gsplat_build(out, Path(args.scratch))
     for name, section in (("vla", lambda: vla_section(args, out, device)),
-                          ("3dgs", lambda: gs_section(args, out, device, build))):
-        if args.only and args.only != name:
+                          ("3dgs", lambda: gs_section(args, out, device, build)),
+                          ("vla-large", lambda: vla_large_section(args, out, device))):
+        if args.only and name not in args.only:
             continue
         try:
             section()

@@ -51,7 +51,8 @@ class TrainStep:
         model.step_sh_degree(step, sched.sh_degree_every)
         out = render(model, self.rast, cam, background)
         loss = (1 - self.ssim_lambda) * torch.abs(out.image - image).mean()
-        loss = loss + self.ssim_lambda * (1 - ssim(out.image, image))
+        if self.ssim_lambda:
+            loss = loss + self.ssim_lambda * (1 - ssim(out.image, image))
         if self.mcmc is not None:
             loss = loss + regularizer(model, self.mcmc)
         loss.backward()
