@@ -67,6 +67,7 @@ def main() -> None:
         script += [f"echo {MARK} $(date +%s.%N)", step]
     script.append(f"echo {MARK} $(date +%s.%N)")
 
+    load_before = os.getloadavg()[0]
     t0 = time.monotonic()
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     t_venv = time.monotonic() - t0
@@ -77,7 +78,8 @@ def main() -> None:
 
     print(f"quick start: {command}")
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}, "
-          f"pip cache {'off' if args.no_pip_cache else 'on'}\n")
+          f"pip cache {'off' if args.no_pip_cache else 'on'}; 1-min load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after (other work on the same CPUs slows every step)\n")
     print(f"{'step':<60} {'s':>7}")
     print(f"{'python -m venv':<60} {t_venv:7.1f}")
     for step, (a, b) in zip(steps, zip(stamps, stamps[1:])):
