@@ -205,8 +205,9 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one_latest(tiny_lab
     proc = tiny_lab.cli("run", str(TINY), "--local", "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert run_state(run_dir)["latest_checkpoint_step"] == 80
-    # the crashed run validated at 20..80; the resumed one redoes 60 and 80 from checkpoint 40
-    assert [s for s, _ in metrics(run_dir, "validation")] == [20, 40, 60, 80, 60, 80]
+    # the crashed run validated at 20..80; the resumed one redoes 60 and 80 from checkpoint 40,
+    # and the record keeps one value per step
+    assert [s for s, _ in metrics(run_dir, "validation")] == [20, 40, 60, 80]
 
 
 def test_core_api_loop_with_preemption_and_resume(tiny_lab):

@@ -93,12 +93,13 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     lpips = lpips_metric(device)
     out_dir = renders_dir(ctx)
 
-    start = 0
+    start, window = 0, (0.0, 0)
     if ctx.latest_checkpoint:
         with ctx.checkpoint.restore_path(ctx.latest_checkpoint) as path:
             state = torch.load(Path(path) / "gaussians.pt", map_location=device, weights_only=False)
         model = GaussianModel.from_state(state["model"], lrs, device)
         start = int(state["step"])
+        window = state.get("loss_window", (0.0, 0))  # the reporting window a stop fell into
         log.info("resumed from checkpoint %s at step %d with %d Gaussians", ctx.latest_checkpoint, start, len(model))
     else:
         pts = scene.model.points3d
@@ -114,7 +115,8 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     def checkpoint(step: int, final: bool = False) -> None:
         meta = {"steps_completed": step, "num_gaussians": len(model), "backend": rast.name}
         with ctx.checkpoint.store_path(meta) as (path, storage_id):
-            torch.save({"model": model.state_dict(), "step": step}, Path(path) / "gaussians.pt")
+            torch.save({"model": model.state_dict(), "step": step, "loss_window": (float(loss_sum), window_steps)},
+                       Path(path) / "gaussians.pt")
             (Path(path) / "gaussians.json").write_text(json.dumps(meta) + "\n")
             if final:
                 write_ply(model, Path(path) / "point_cloud.ply")
@@ -145,7 +147,8 @@ def train(ctx: Any) -> None:  # noqa: PLR0915 (one loop, read top to bottom)
     trainer = TrainStep(model, rast, schedule, densify=densify, ssim_lambda=ssim_lambda,
                         strategy=hp.get("strategy", "default"), mcmc=MCMC(**(hp.get("mcmc") or {})), seed=seed,
                         device=device)
-    loss_sum, window_steps, window_start = torch.zeros((), device=device), 0, time.perf_counter()
+    loss_sum, window_steps = torch.tensor(window[0], device=device), int(window[1])
+    window_start = time.perf_counter()
     for step in range(start + 1, total + 1):
         i = views.train_view(step - 1, seed)
         loss_sum += trainer(step, views.cameras[i], views.images[i], background)
