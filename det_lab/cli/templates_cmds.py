@@ -34,8 +34,9 @@ def list_() -> None:
 
 @app.command("copy")
 def copy_(
-    name: str = typer.Argument(..., help=f"A template ({', '.join(templates.NAMES)}) or '{templates.NOTEBOOKS}'."),
-    dest: Path = typer.Argument(..., help="New directory to create (an existing one must be empty)."),
+    name: str = typer.Argument(..., metavar="NAME",
+                               help=f"A template ({', '.join(templates.NAMES)}) or '{templates.NOTEBOOKS}'."),
+    dest: Path = typer.Argument(..., metavar="DIR", help="New directory to create (an existing one must be empty)."),
 ) -> None:
     """Copy a template (or the notebooks) to a new directory, to edit and submit with
     'det experiment create DIR/const.yaml DIR' or run with 'det-lab run DIR --local'."""
