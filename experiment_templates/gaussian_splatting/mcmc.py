@@ -74,7 +74,7 @@ def relocate_dead(model: GaussianModel, cfg: MCMC, generator: torch.Generator | 
         return 0
     src = alive_idx[torch.multinomial(opac[alive_idx], n, replacement=True, generator=generator)]
     _share(model, src, cfg)
-    for name, p in model.params.items():
+    for p in model.params.values():
         p.data[dead_idx] = p.data[src]
     model.zero_adam_rows(src)
     return n
