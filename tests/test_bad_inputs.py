@@ -4,7 +4,6 @@ fix, exit code 2, and nothing created or changed on the volume."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from pathlib import Path
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from det_lab.data.errors import DataError
-from det_lab.data.integrity import cache_objects, changed_files, hash_mismatches, read_marker
+from det_lab.data.integrity import SNAPSHOT_MARKER, cache_objects, changed_files, hash_mismatches, read_marker
 from det_lab.data.pull import DatasetIdentity, _Out, expected_files, repair_snapshot
 from det_lab.data.registry import lookup
 from det_lab.settings import LabSettings
@@ -46,7 +46,7 @@ def verify(settings: LabSettings, name: str | None = None, *, repair: bool = Fal
     seen: dict[tuple[int, int], bool] = {}  # inode -> intact: a snapshot file and its cache object are one
     for project in projects:
         snaps = layout.snapshots(project)
-        for marker_file in sorted(snaps.glob("*/snapshot.json")) if snaps.is_dir() else []:
+        for marker_file in sorted(snaps.glob(f"*/{SNAPSHOT_MARKER}")) if snaps.is_dir() else []:
             snap = marker_file.parent
             marker = read_marker(snap)
             try:
