@@ -132,6 +132,9 @@ ENV_VARS: dict[str, EnvVar] = {
                                        "iteration", "ten"),
     "DET_LAB_LOCAL_RUN": EnvVar(_path, "set by `det-lab run --local` for its trial: the run's run.json"),
     "DET_LAB_CODE_COMMIT": EnvVar(_text, "set by `det-lab run --local` for its trial: the code's git commit"),
+    "DET_LAB_RUN_PID": EnvVar(_positive(int), "set by `det-lab run --local` for its trial: the pid of `det-lab run` "
+                              "(the trial stops when it is gone)", "abc"),
+    "DET_LAB_SLURM_CONFIG": EnvVar(_path, "Slurm config file; same as `--slurm-config`"),
 }
 
 
