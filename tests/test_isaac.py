@@ -93,7 +93,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     # metrics and checkpoints arrive while the child trains, in det-lab's progress file and in MLflow
     wait_until(lambda: any(c["step"] >= 5 for c in state(run_dir)["checkpoints"]), proc, 120, "checkpoint 5")
     mid = steps(run_dir, "training")
-    assert mid and max(mid) < 29 and proc.poll() is None
+    assert mid and max(mid) < 30 and proc.poll() is None
     assert wait_until(lambda: mlflow_history(lab, run_dir.name, "training/Train/mean_reward"), proc, 30, "MLflow points")
     assert steps(run_dir, "validation")  # mean_reward at each checkpoint (the searcher metric)
 
@@ -102,29 +102,31 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     assert proc.returncode == 0, out + err
     first = state(run_dir)
     stop = first["latest_checkpoint_step"]
-    assert 5 <= stop < 29 and [c["step"] for c in first["checkpoints"]] == list(range(0, stop + 1, 5))
+    # model_<i>.pt after i + 1 iterations (rsl_rl counts from 0): steps_completed i + 1
+    assert 6 <= stop < 30 and [c["step"] for c in first["checkpoints"]] == list(range(1, stop + 1, 5))
     log = (run_dir / "train.log").read_text()
-    assert f"stop requested: stopped after saving model_{stop}.pt" in log
+    assert f"stop requested: stopped after saving model_{stop - 1}.pt" in log
     (child_run,) = log_parsers.run_dirs(run_dir / "work" / "logs" / "rsl_rl")
-    assert log_parsers.latest_model(child_run)[0] == stop  # nothing trained past the save
+    assert log_parsers.latest_model(child_run)[0] == stop - 1  # nothing trained past the save
     assert "Isaac Lab is not installed here: running the CPU stand-in" in log
 
     proc = lab.cli("run", str(TEMPLATE), "--local", "--config", str(config), "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "30 of 30 batches" in proc.stdout  # the summary counts iterations done, not the last index
     done = state(run_dir)
-    assert done["latest_checkpoint_step"] == 29 and done["resumed"] == 1
+    assert done["latest_checkpoint_step"] == 30 and done["resumed"] == 1  # 30 of 30 iterations
     assert [c["step"] for c in done["checkpoints"]][len(first["checkpoints"]):] == \
-        [s for s in (*range(0, 30, 5), 29) if s > stop]
+        [s + 1 for s in (*range(0, 30, 5), 29) if s + 1 > stop]
     log = (run_dir / "train.log").read_text()
-    assert f"--resume --load_run det-lab-restore-{first['latest_checkpoint'][:8]} --checkpoint model_{stop}.pt" in log
+    assert f"--resume --load_run det-lab-restore-{first['latest_checkpoint'][:8]} --checkpoint model_{stop - 1}.pt" in log
     train = steps(run_dir, "training")
-    assert train == sorted(set(train)) and train[-1] == 29  # each iteration once, continuing after `stop`
+    assert train == sorted(set(train)) and train[-1] == 30  # each iteration once, continuing after `stop`
     assert [s for s in train if s > stop][0] == stop + 1
 
     # the checkpoint: the rsl_rl model, its params, lineage
     ckpt = lab.root / "checkpoints" / "isaac" / done["latest_checkpoint"]
     meta = json.loads((ckpt / "metadata.json").read_text())
-    assert meta["steps_completed"] == 29 and meta["rsl_rl"]["iteration"] == 29
+    assert meta["steps_completed"] == 30 and meta["rsl_rl"]["iteration"] == 29
     assert meta["det_lab"]["run_key"] == done["run_key"] and meta["det_lab"]["determined_version"] == "0.38.1"
     assert (ckpt / "params" / "agent.yaml").is_file()
     import torch
@@ -135,7 +137,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     run = lab.mlflow.get_run(summary["backends"][0]["run_id"])
     assert run.info.status == "FINISHED"
     history = mlflow_history(lab, run_dir.name, "training/Loss/value")
-    assert history == sorted(set(history)) and history[-1] == 29
+    assert history == sorted(set(history)) and history[-1] == 30
 
 
 @needs_rsl_rl
@@ -148,8 +150,8 @@ def test_crashing_child_is_a_failed_trial_with_its_last_lines(isaac_lab):
     assert "simulated crash at iteration 12" in proc.stdout  # the child's traceback, in the summary
     (run_dir,) = runs_root(lab).iterdir()
     st = state(run_dir)
-    assert st["latest_checkpoint_step"] == 10 and [c["step"] for c in st["checkpoints"]] == [0, 5, 10]
-    assert steps(run_dir, "training") == list(range(12))  # from the events files
+    assert st["latest_checkpoint_step"] == 11 and [c["step"] for c in st["checkpoints"]] == [1, 6, 11]
+    assert steps(run_dir, "training") == list(range(1, 13))  # iterations 0-11, from the events files
     log = (run_dir / "train.log").read_text()
     assert "ChildFailed: training command exited with 1 (latest checkpoint: iteration 10)" in log
     assert "metrics from tfevents" in log

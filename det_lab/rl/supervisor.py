@@ -8,7 +8,7 @@ its cwd in a work directory on the volume. While it runs, the supervisor:
   LogWriter JSONL or from TensorBoard events), one report per iteration (``/time`` axes are
   skipped: their step is seconds, not iterations);
 - registers each complete ``model_<iter>.pt`` as a Determined checkpoint (``steps_completed`` =
-  iteration, the run's ``params/`` alongside, lineage added by det_lab), with validation metrics
+  iteration + 1: rsl_rl counts iterations from 0, and reports each at that count; the run's ``params/`` alongside, lineage added by det_lab), with validation metrics
   ``mean_reward`` / ``mean_episode_length`` from that iteration;
 - on preemption creates the stop file (``$DET_LAB_RL_STOP_FILE``; children that honour it exit
   right after their next save), waits for that save, then signals the child's group;
@@ -135,7 +135,7 @@ class RlSupervisor:
         for p in points:
             if p.tag.endswith("/time") or p.step <= self.floor:
                 continue
-            self.pending.setdefault(p.step, {})[p.tag] = p.value
+            self.pending.setdefault(p.step + 1, {})[p.tag] = p.value  # iteration i: i + 1 done
 
     def _report_upto(self, step: int | None) -> None:
         """Report pending iterations < ``step`` (all with None): an iteration is whole once a later one starts."""
@@ -148,8 +148,8 @@ class RlSupervisor:
             self.reported += 1
 
     def _register(self, run_dir: Path, it: int, model: Path) -> None:
-        self._report_upto(it + 1)
-        meta = {"steps_completed": it, "rsl_rl": {"iteration": it, "experiment": run_dir.parent.name,
+        self._report_upto(it + 2)
+        meta = {"steps_completed": it + 1, "rsl_rl": {"iteration": it, "experiment": run_dir.parent.name,
                                                    "run": run_dir.name, "model": model.name}}
         with self.ctx.checkpoint.store_path(meta) as (path, uuid):
             path = Path(path)
@@ -159,10 +159,10 @@ class RlSupervisor:
             (path / CHECKPOINT_INFO).write_text(json.dumps(meta["rsl_rl"], indent=2) + "\n")
         self.registered[it] = uuid
         print(f"[det_lab.rl] registered {model.name} as checkpoint {uuid} (step {it})", flush=True)
-        val = {name: self.last.get(it, {}).get(tag) for tag, name in VALIDATION_TAGS.items()}
+        val = {name: self.last.get(it + 1, {}).get(tag) for tag, name in VALIDATION_TAGS.items()}
         val = {k: v for k, v in val.items() if v is not None}
         if val:
-            self.ctx.train.report_validation_metrics(it, val)
+            self.ctx.train.report_validation_metrics(it + 1, val)
 
     def _scan_models(self, run_dir: Path, child_done: bool) -> int:
         """Register complete, new models; returns how many."""
