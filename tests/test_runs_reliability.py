@@ -193,9 +193,9 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     heartbeat is fresh); locks of a dead trainer or an expired heartbeat are broken with a warning;
     after a crash mid-checkpoint the replayed steps are recorded once."""
     lab = runs_lab
-    total = 240
+    total = 360  # 0.04 s a batch: long enough for each stop to land mid-run on a loaded machine
     config = write_config(lab, TINY / "const.yaml", "tiny-long", lambda c: (
-        c["hyperparameters"].update(sleep_per_batch=0.03), c.update(min_checkpoint_period={"batches": 20}),
+        c["hyperparameters"].update(sleep_per_batch=0.04), c.update(min_checkpoint_period={"batches": 20}),
         c["data"]["det_lab"].update(max_length={"batches": total})))
     host = socket.getfqdn()
     before = runs_of(lab, "vla", "tiny")
