@@ -1,16 +1,16 @@
-"""Refuse a bad experiment config before anything is created, for a local, Slurm or cluster run.
+"""Refuse a bad experiment config before anything is created (local and Slurm runs start here).
 
 :func:`preflight` checks, in order, and raises :class:`PreflightError` (one line naming the file,
 the key and the fix) at the first problem:
 
-1. what a Determined 0.38.1 master would reject. The pinned ``determined`` wheel no longer ships
+1. det_lab's own section (``data.det_lab``) and training length (a positive ``max_time``);
+2. what a Determined 0.38.1 master would reject. The pinned ``determined`` wheel no longer ships
    the expconf schemas or their Python validator (removed in 0.21.1), so this module mirrors the
    0.38.1 ``schemas/expconf/v0`` rules for everything det_lab's configs use: the top-level keys,
    the searcher (by name, with the searchers 0.38 removed refused), resources, hyperparameters,
    lengths, reproducibility, and the keys the master requires (``searcher``, ``searcher.metric``,
    ``max_trials``). Other sections (environment, checkpoint_storage, bind_mounts, ...) are checked
    for their JSON type only. The tests compare these verdicts with the schemas themselves;
-2. det_lab's own section (``data.det_lab``) and training length (a positive ``max_time``);
 3. the dataset: a registered name that exists, a repository and revision that resolve, and room
    under the project's quota for what a pull would fetch;
 4. that the volume's directories a run writes to are writable.
@@ -271,10 +271,11 @@ def preflight(exp_conf: Mapping[str, Any], settings: LabSettings, source: str = 
     if not isinstance(exp_conf, Mapping):
         raise PreflightError(f"{source}: an experiment config must be a mapping of keys")
     problems = determined_errors(exp_conf)
+    if isinstance(exp_conf.get("searcher") or {}, dict):
+        lab = _lab_section(exp_conf, source)  # det_lab's own section first: it names what det_lab needs
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreflightError(f"{source}: {problems[0]}{more}")
-    lab = _lab_section(exp_conf, source)
     _datasets(lab, settings, source)
     _writable(lab.project, settings)
 
@@ -284,7 +285,7 @@ def _lab_section(exp_conf: Mapping[str, Any], source: str):
 
     searcher = exp_conf.get("searcher") or {}
     max_time = searcher.get("max_time")
-    if max_time is not None and max_time <= 0:
+    if isinstance(max_time, (int, float)) and max_time <= 0:
         raise PreflightError(f"{source}: searcher.max_time: must be a positive number of "
                              f"{searcher.get('time_metric') or 'batches'} (got {max_time})")
     try:
