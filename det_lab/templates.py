@@ -80,10 +80,9 @@ def available() -> list[Template]:
     """The shipped templates under their names (``vla``, ``3dgs``, ``isaac``) and any other
     template directories in :func:`templates_root`, under their directory names."""
     root = templates_root()
-    dirs = {v: k for k, v in NAMES.items()}
     if not root.is_dir():
         return []
-    return sorted((Template(dirs.get(p.name, p.name), p.resolve())
+    return sorted((Template(name_of(p), p.resolve())
                    for p in root.iterdir() if p.is_dir() and not p.name.startswith((".", "_"))),
                   key=lambda t: (list(NAMES).index(t.name) if t.name in NAMES else len(NAMES), t.name))
 
