@@ -114,8 +114,13 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab,
     assert straight.returncode == 0, straight.stdout + straight.stderr
     straight_dir = run_named(slurm_lab, straight.stdout)
 
-    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), check=True)
-    run_dir = run_named(slurm_lab, proc.stdout)
+    before = set(runs_dir(slurm_lab).iterdir())
+    waiting = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--config", str(config),
+                                "--wait"], env=slurm_lab.env, cwd=slurm_lab.config.parent, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: any((p / "run.json").is_file() and state(p).get("slurm", {}).get("job_id")
+                           for p in set(runs_dir(slurm_lab).iterdir()) - before), 120, "the submission")
+    (run_dir,) = set(runs_dir(slurm_lab).iterdir()) - before
     job_id = state(run_dir)["slurm"]["job_id"]
 
     def past_first_checkpoint() -> bool:
@@ -126,7 +131,9 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab,
     wait_until(past_first_checkpoint, 120, "the first checkpoint")
     # what Slurm sends --signal seconds before the time limit: the job checkpoints and requeues itself
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
-    wait_until(lambda: state(run_dir).get("status") == "finished", 180, "the requeued job to finish")
+    out, _ = waiting.communicate(timeout=300)  # --wait follows the job through its requeue
+    assert waiting.returncode == 0, out
+    assert f"job {job_id}: PENDING" in out and "(restart 1)" in out and "finished at step 80 of 80" in out
 
     st = state(run_dir)
     first, second = st["slurm"]["attempts"]
