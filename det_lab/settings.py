@@ -121,7 +121,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
     "DET_LAB_NOTEBOOK_OUT": EnvVar(_path, "where notebooks write plots (default ./notebook-out)"),
     "DET_LAB_NOTEBOOK_CONFIG": EnvVar(_path, "experiment config the notebooks submit"),
-    "DET_LAB_NOTEBOOK_TRACKER": EnvVar(_choice("mlflow", "aim"), "tracker the notebooks read", "wandb"),
+    "DET_LAB_NOTEBOOK_TRACKER": EnvVar(_choice("mlflow", "aim", "both"), "tracker the notebooks read (both: MLflow)",
+                                       "wandb"),
     "DET_LAB_DET_TEMPLATE": EnvVar(_text, "Determined config template the notebooks submit with "
                                    "(default det-lab; empty for none)"),
     "DET_LAB_RL_PREEMPT_TIMEOUT": EnvVar(_positive(float), "seconds the rsl_rl supervisor waits for a "
