@@ -37,6 +37,7 @@ def make_template(tmp_path: Path, max_length: dict) -> Path:
     tdir.mkdir()
     (tdir / "const.yaml").write_text(yaml.safe_dump({
         "name": "unit", "entrypoint": "python3 train.py",
+        "searcher": {"name": "single", "metric": "loss", "max_length": 1},
         "hyperparameters": {"lr": 0.1, "opt": {"type": "categorical", "vals": ["sgd"]}},
         "data": {"det_lab": {"project": "vla", "max_length": max_length}},
     }))

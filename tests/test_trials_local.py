@@ -242,7 +242,7 @@ def test_legacy_module_class_entrypoint(tiny_lab):
 def test_bad_input_is_one_line(tiny_lab, tmp_path):
     cases = [
         (["run", "no-such-template", "--local"], "no template or directory 'no-such-template'"),
-        (["run", str(TINY)], "only --local runs"),
+        (["run", str(TINY)], "pass --local (here) or --slurm"),
         (["run", str(TINY), "--local", "--resume"], "no earlier local run"),
     ]
     bad = tmp_path / "bad.yaml"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -19,6 +20,20 @@ from flufl.lock import Lock, NotLockedError, TimeOutError
 from det_lab.settings import env_value
 
 DEFAULT_LIFETIME_S = 60
+
+
+class HostLock(Lock):
+    """flufl's lock, naming its holder by ``socket.gethostname()``.
+
+    flufl uses ``socket.getfqdn()``, which is ``localhost`` on machines whose /etc/hosts maps their
+    own name to 127.0.0.1: two such machines would each take the other's live lock for one of
+    their own dead processes and break it.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._hostname = socket.gethostname()
+        self._set_claimfile()  # the claim file's name carries the host
 
 
 class LockTimeout(TimeoutError):
@@ -34,7 +49,7 @@ class VolumeLock:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self.timeout = timeout
-        self._lock = Lock(str(path), lifetime=lifetime, separator="|")
+        self._lock = HostLock(str(path), lifetime=lifetime, separator="|")
         self._stop = threading.Event()
         self._refresher: threading.Thread | None = None
 

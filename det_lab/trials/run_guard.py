@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from flufl.lock import Lock, NotLockedError
+from flufl.lock import NotLockedError
 
-from det_lab.data.lock import LockTimeout, VolumeLock
+from det_lab.data.lock import HostLock, LockTimeout, VolumeLock
 
 LOCK_NAME = "trainer.lock"
 PARENT_ENV = "DET_LAB_RUN_PID"  # det-lab run's pid, set in the trial's environment
@@ -55,7 +55,7 @@ class Trainer:
 
 def trainer(run_dir: Path) -> Trainer | None:
     """Who holds ``run_dir``'s lock (read from the lock file), or None when nobody does."""
-    lock = Lock(str(run_dir / LOCK_NAME), separator="|")  # for reading only: never locked
+    lock = HostLock(str(run_dir / LOCK_NAME), separator="|")  # for reading only: never locked
     try:
         host, pid, _ = lock.details
         expires = lock.expiration

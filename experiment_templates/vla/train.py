@@ -24,7 +24,6 @@ from determined import pytorch
 
 from dataset import CachedPolicyFrames, collate_batch, load_splits
 from det_lab.trials.pytorch import LabPyTorchTrial, run
-from det_lab.volume import VolumeLayout
 from device_feed import OneBatchLate, to_device
 from frame_cache import resolve_cache_dir
 from model import VLAConfig, VLAPolicy, apply_speed_switches, build_optimizer
@@ -50,8 +49,7 @@ class VLATrial(LabPyTorchTrial):
         self.hp = hp
         if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
             torch.set_num_threads(int(hp["torch_threads"]))
-        cache_dir = resolve_cache_dir(hp.get("frame_cache"), VolumeLayout(self.session.settings.data_root)
-                                      .outputs(self.lab.project) / "frame-cache")
+        cache_dir = resolve_cache_dir(hp.get("frame_cache"), self.volume.outputs(self.lab.project) / "frame-cache")
         self.splits = load_splits(self.dataset_path, hp, cache_dir, self.dataset.identity.md5 if self.dataset else None)
         full = self.splits.full
         shapes = {full.image_shape(k) for k in full.cameras}
