@@ -1,7 +1,7 @@
 """A reader for LeRobot datasets, layouts v3.0 and v2.1 (v2.0), without the lerobot package.
 
 lerobot needs Python >= 3.12 and pins an older torch, so det_lab reads the format itself
-(layouts: ``shared/notes/workloads.md`` §1.2)::
+(layouts: LeRobot's ``src/lerobot/datasets/lerobot_dataset.py`` and its v2.1 -> v3.0 converter)::
 
     ds = LeRobotDataset(path, horizon=10)          # every episode
     train_eps, val_eps = split_episodes(ds.episode_indices, val_episodes=2)
