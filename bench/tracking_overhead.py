@@ -58,16 +58,20 @@ AIM_CEILING = textwrap.dedent("""
 """)
 
 
-def loop(steps: int, n_metrics: int, mirror: Mirror | None, size: int, first: int = 1) -> float:
-    """Seconds per step of a loop doing a matmul and reporting n_metrics per step from step ``first``."""
+def loop(steps: int, n_metrics: int, mirror: Mirror | None, size: int, first: int = 1,
+         cpu: list[float] | None = None) -> float:
+    """Seconds per step of a loop doing a matmul and reporting n_metrics per step from step
+    ``first``; appends the process's CPU seconds per step (every thread) to ``cpu``."""
     a = torch.randn(size, size)
     names = [f"m{i:02d}" for i in range(n_metrics)]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for step in range(first, first + steps):
         b = a @ a
         value = float(b[0, 0])
         if mirror is not None:
             mirror.log_metrics("training", step, {n: value + i for i, n in enumerate(names)})
+    if cpu is not None:
+        cpu.append((time.process_time() - start_cpu) / steps)
     return (time.perf_counter() - start) / steps
 
 
@@ -130,6 +134,7 @@ def main() -> None:
         log_batch_rate(20000)  # warm the server's store up: its first run is much slower than later ones
         ceilings: dict[str, list[float]] = {"mlflow": [], "aim": []}
         results: dict[tuple[float, str], list[float]] = {}
+        cpu_times: dict[tuple[float, str], list[float]] = {}
         delivery: dict[str, list[float]] = {"mlflow": [], "aim": [], "both/mlflow": [], "both/aim": []}
         sizes = {target: calibrate(target) for target in (0.0012, 0.010)}
         loop(200, args.metrics, None, sizes[0.0012])  # warm up
@@ -141,7 +146,8 @@ def main() -> None:
                 for arm in random.sample(ARMS, len(ARMS)):
                     m = mirrors[arm]
                     start = time.perf_counter()
-                    results.setdefault((target, arm), []).append(loop(steps, args.metrics, m, size, next_step[arm]))
+                    results.setdefault((target, arm), []).append(
+                        loop(steps, args.metrics, m, size, next_step[arm], cpu_times.setdefault((target, arm), [])))
                     next_step[arm] += steps
                     if m is None:
                         continue
@@ -155,6 +161,7 @@ def main() -> None:
                             delivery[key].append(steps * args.metrics / (finished - start))
             print(f"rep {rep + 1}/{args.reps} done", file=sys.stderr, flush=True)
 
+        call_cpu = log_metrics_cpu(tmp, args.metrics)
         for m in mirrors.values():
             if m is not None:
                 m.close(timeout=60)
@@ -163,14 +170,19 @@ def main() -> None:
     ceiling = {k: statistics.median(v) for k, v in ceilings.items()}
     print(f"\n{args.metrics} metrics every step; medians of {args.reps} interleaved repeats; MLflow server on "
           f"127.0.0.1 (SQLite, local disk), Aim local repo; {os.cpu_count()} CPUs\n")
-    print(f"{'mirror':<8} {'1.2 ms steps':>13} {'ratio':>6} {'µs/step':>8}   {'10 ms steps':>12} {'ratio':>6} "
-          f"{'µs/step':>8}   {'delivered points/s (1.2 ms)':>28}")
+    print("step time (wall) and the training process's CPU time per step (all its threads; what the mirror costs")
+    print("it, whatever else the machine runs), each with its ratio to no mirror\n")
+    print(f"{'mirror':<8} {'1.2 ms steps':>13} {'ratio':>6} {'µs/step':>8} {'CPU µs':>7} {'ratio':>6}   "
+          f"{'10 ms steps':>12} {'ratio':>6} {'µs/step':>8} {'CPU µs':>7} {'ratio':>6}   {'delivered points/s (1.2 ms)':>28}")
     for arm in ARMS:
         cells = []
         for target in sizes:
             base = statistics.median(results[(target, "none")])
             per_step = statistics.median(results[(target, arm)])
-            cells.append(f"{per_step * 1e3:>10.3f} ms {base / per_step:>6.3f} {(per_step - base) * 1e6:>+8.1f}")
+            base_cpu = statistics.median(cpu_times[(target, "none")])
+            arm_cpu = statistics.median(cpu_times[(target, arm)])
+            cells.append(f"{per_step * 1e3:>10.3f} ms {base / per_step:>6.3f} {(per_step - base) * 1e6:>+8.1f} "
+                         f"{(arm_cpu - base_cpu) * 1e6:>+7.1f} {base_cpu / arm_cpu:>6.3f}")
         rates = [(name, statistics.median(delivery[name if arm != "both" else f"both/{name}"]))
                  for name in ("mlflow", "aim") if arm in (name, "both")]
         shown = ", ".join(f"{name} {rate:.0f} = {rate / ceiling[name]:.0%}" for name, rate in rates)
@@ -178,11 +190,29 @@ def main() -> None:
     print(f"\nceilings (medians): MLflow back-to-back log_batch {ceiling['mlflow']:.0f} points/s "
           f"({', '.join(f'{r:.0f}' for r in ceilings['mlflow'])}); Aim back-to-back Run.track from a separate "
           f"process {ceiling['aim']:.0f} points/s ({', '.join(f'{r:.0f}' for r in ceilings['aim'])})")
+    print(f"\none log_metrics call with {args.metrics} metrics: {call_cpu * 1e6:.1f} µs of the calling thread's CPU "
+          f"(median of 5 x 20000 calls; the writer thread and the senders not included)")
     print(f"\noutage: {outage['points']} points logged with the MLflow server down: training process's Python "
           f"memory for the mirror peaked at {outage['trial_peak'] / 2**20:.1f} MiB; sender resident "
           f"{outage['sender_rss'] / 1024:.0f} MiB at the end, peak {outage['sender_hwm'] / 1024:.0f} MiB, grew "
           f"{outage['sender_growth'] / 1024:.1f} MiB during the outage; journal on disk "
           f"{outage['journal_bytes'] / 2**20:.1f} MiB; {outage['journaled']} events journaled")
+
+
+def log_metrics_cpu(tmp: Path, n_metrics: int) -> float:
+    """CPU seconds of the calling thread per ``log_metrics`` call: the mirror's own cost to a step,
+    whatever else the machine runs (to a tracker that is down: delivery does not load the machine)."""
+    mirror = Mirror(RunInfo("bench-calls", "calls", "bench"), {"mlflow": f"http://127.0.0.1:{free_port()}"},
+                    tmp / "journal-calls", linger=0)
+    values = {f"m{i:02d}": 0.5 + i for i in range(n_metrics)}
+    samples = []
+    for rep in range(5):
+        start = time.thread_time()
+        for step in range(rep * 20000 + 1, (rep + 1) * 20000 + 1):
+            mirror.log_metrics("training", step, values)
+        samples.append((time.thread_time() - start) / 20000)
+    mirror.close(timeout=1)
+    return statistics.median(samples)
 
 
 def _delivered_at(journal: Path, backend: str) -> float:
