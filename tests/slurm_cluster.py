@@ -85,6 +85,11 @@ class SlurmCluster:
         return "TaskPlugin=task/cgroup" in self.conf.read_text()
 
     def stop(self) -> None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and self.procs[-1].poll() is None:
+            if not self.run("squeue", "-h", check=False).stdout.strip():
+                break  # no job is running or completing: slurmd can go
+            time.sleep(0.3)
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -95,12 +100,16 @@ class SlurmCluster:
                 proc.kill()
                 proc.wait()
         for hierarchy in Path("/sys/fs/cgroup").glob(f"*/slurm_{NODE}"):
-            # empty cgroups slurmd leaves behind; rmdir is how a cgroup is removed
-            for d in sorted((p for p in hierarchy.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts)):
+            dirs = sorted((p for p in hierarchy.rglob("*") if p.is_dir()), key=lambda p: -len(p.parts))
+            for d in [*dirs, hierarchy]:
+                # processes of this cluster's jobs that outlived their slurmd (its stepds), by pid
+                for pid in (d / "cgroup.procs").read_text().split() if (d / "cgroup.procs").exists() else []:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(int(pid), signal.SIGKILL)
+            time.sleep(0.2)
+            for d in [*dirs, hierarchy]:  # rmdir is how an empty cgroup is removed
                 with contextlib.suppress(OSError):
                     d.rmdir()
-            with contextlib.suppress(OSError):
-                hierarchy.rmdir()
 
 
 def missing_binaries() -> list[str]:
