@@ -26,6 +26,7 @@ from determined import core as det_core
 
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section
+from det_lab.trials.distributed import off_cluster_distributed
 from det_lab.trials.harness import harness_shims
 from det_lab.trials.identity import read_identity
 from det_lab.trials.session import LabSession
@@ -62,7 +63,7 @@ def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None
     lab = lab_section(identity.exp_conf)
     ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project, identity.exp_conf))
     with harness_shims(ckpt, [settings.data_root]):
-        kwargs: dict[str, Any] = {"distributed": distributed}
+        kwargs: dict[str, Any] = {"distributed": distributed or off_cluster_distributed(identity.on_cluster)}
         if ckpt is not None:
             kwargs["checkpoint_storage"] = str(ckpt)
         elif checkpoint_storage is not None:

@@ -24,6 +24,7 @@ from determined import pytorch
 from det_lab.core import local_checkpoint_dir
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section, period
+from det_lab.trials.distributed import off_cluster_distributed
 from det_lab.trials.harness import allow_harness_unpickling, core_context_of, harness_shims, tensorboard_available
 from det_lab.trials.identity import read_identity
 from det_lab.trials.session import LabSession
@@ -68,6 +69,7 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
     status = "FAILED"
     with harness_shims(ckpt, [settings.data_root]):
         with pytorch.init(hparams=identity.hparams, exp_conf=conf,
+                          distributed=off_cluster_distributed(identity.on_cluster),
                           enable_tensorboard_logging=tensorboard_available()) as ctx:
             session = LabSession(settings, identity, core_context_of(ctx), lab).start()
             _current = session
