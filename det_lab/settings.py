@@ -163,11 +163,13 @@ def check_environment(env: Mapping[str, str] | None = None) -> None:
         env_value(name, env=env)
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """A config section: unknown keys are errors (a typo must not be ignored), values immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ProjectSettings(_Strict):
+class ProjectSettings(StrictModel):
     """A project on the shared volume (``datasets/<name>``, ``outputs/<name>`` ...)."""
 
     quota: ByteSize = ByteSize(DEFAULT_QUOTA_BYTES)
@@ -189,7 +191,7 @@ class ProjectSettings(_Strict):
         return v
 
 
-class TrackingSettings(_Strict):
+class TrackingSettings(StrictModel):
     """Where metrics are mirrored. ``None`` URIs mean the local default (see the tracking docs)."""
 
     backend: Literal["mlflow", "aim", "both", "none"] = "mlflow"
@@ -225,7 +227,7 @@ class TrackingSettings(_Strict):
         return self.backend in ("aim", "both")
 
 
-class LabSettings(_Strict):
+class LabSettings(StrictModel):
     """The whole lab configuration."""
 
     data_root: Path = DEFAULT_DATA_ROOT

@@ -27,9 +27,9 @@ import re
 import socket
 from pathlib import Path
 
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
-from det_lab.settings import LabSettings, read_yaml_mapping
+from det_lab.settings import LabSettings, StrictModel, read_yaml_mapping
 
 SLURM_FILE = "slurm.yaml"
 CPU_PARTITION = "cpu"
@@ -43,9 +43,6 @@ class SlurmConfigError(ValueError):
     """A Slurm configuration problem, phrased as one line for the user."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
 
 def check_time(value: str) -> str:
     """``value`` if it is a Slurm time limit, else a ValueError saying what the formats are."""
@@ -54,7 +51,7 @@ def check_time(value: str) -> str:
     return value
 
 
-class NodeSettings(_Strict):
+class NodeSettings(StrictModel):
     """One machine: a Slurm node. Its GPUs become ``gres`` of type ``gpu_kind``."""
 
     name: str
@@ -87,7 +84,7 @@ class NodeSettings(_Strict):
         return self.gpu_files or (f"/dev/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else "/dev/nvidia0")
 
 
-class SlurmSettings(_Strict):
+class SlurmSettings(StrictModel):
     """The whole Slurm section."""
 
     cluster_name: str = "det-lab"

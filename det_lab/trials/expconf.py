@@ -15,29 +15,27 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import ValidationError, model_validator
 
 from det_lab.data import DatasetSpec
 from det_lab.data.directory import DirectorySpec
+from det_lab.settings import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
 
-
-class DatasetRef(_Strict):
+class DatasetRef(StrictModel):
     repo: str
     path: str
     rev: str = "HEAD"
 
 
-class DatasetDir(_Strict):
+class DatasetDir(StrictModel):
     """A directory on the volume read in place (det_lab.data.directory); relative to the data root."""
 
     dir: str
 
 
-class Length(_Strict):
+class Length(StrictModel):
     batches: int | None = None
     epochs: int | None = None
 
@@ -59,7 +57,7 @@ class Length(_Strict):
         return self.batches or self.epochs or 0
 
 
-class LabTrialConfig(_Strict):
+class LabTrialConfig(StrictModel):
     project: str
     dataset: str | DatasetRef | DatasetDir | None = None
     tracking: Literal["mlflow", "aim", "both", "none"] | None = None
