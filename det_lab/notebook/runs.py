@@ -6,10 +6,9 @@ Reading back is each backend's own (:mod:`det_lab.tracking.mlflow_reader`,
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any
 
-from det_lab.settings import LabSettings, load_settings
+from det_lab.settings import LabSettings, env_value, load_settings
 from det_lab.trials.identity import tracker_experiment
 
 if TYPE_CHECKING:
@@ -20,7 +19,7 @@ TRACKER_ENV = "DET_LAB_NOTEBOOK_TRACKER"
 
 def tracker_name(settings: LabSettings | None = None) -> str:
     """``$DET_LAB_NOTEBOOK_TRACKER``, else the lab's backend (``both`` reads MLflow)."""
-    choice = os.environ.get(TRACKER_ENV) or (settings or load_settings()).tracking.backend
+    choice = env_value(TRACKER_ENV) or (settings or load_settings()).tracking.backend
     if choice == "both":
         return "mlflow"
     if choice not in ("mlflow", "aim"):

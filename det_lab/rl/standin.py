@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import os
 import sys
 import time
 from pathlib import Path
+
+from det_lab.settings import env_value
 
 STOP_FILE_ENV = "DET_LAB_RL_STOP_FILE"
 CRASH_ENV = "DET_LAB_STANDIN_CRASH_AT"
@@ -118,7 +119,7 @@ class StopAfterSave(Exception):
 def make_runner(env, cfg: dict, log_dir: str, device: str, iteration_sleep: float, crash_at: int | None):
     from rsl_rl.runners import OnPolicyRunner
 
-    stop_file = os.environ.get(STOP_FILE_ENV)
+    stop_file = env_value(STOP_FILE_ENV)
 
     class Runner(OnPolicyRunner):
         def __init__(self, *a, **k) -> None:
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     (log_dir / "params" / "env.yaml").write_text(yaml.safe_dump(env.cfg))
     (log_dir / "params" / "agent.yaml").write_text(yaml.safe_dump(cfg))
     print(f"[stand-in] logging experiment in directory: {log_dir}", flush=True)
-    crash = os.environ.get(CRASH_ENV)
+    crash = env_value(CRASH_ENV)
     runner = make_runner(env, cfg, str(log_dir), args.device, args.iteration_sleep, int(crash) if crash else None)
     if resume_path is not None:
         print(f"[stand-in] loading model checkpoint from: {resume_path}", flush=True)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
-from det_lab.settings import LabSettings, StrictModel, read_yaml_mapping
+from det_lab.settings import LabSettings, StrictModel, env_value, read_yaml_mapping
 
 SLURM_FILE = "slurm.yaml"
 CPU_PARTITION = "cpu"
@@ -155,7 +155,7 @@ def default_slurm_file(lab: LabSettings) -> Path:
 
 def load_slurm_settings(lab: LabSettings, path: Path | str | None = None) -> SlurmSettings:
     """Load and validate the Slurm section; ``path`` (or ``$DET_LAB_SLURM_CONFIG``) overrides the default."""
-    path = path or os.environ.get("DET_LAB_SLURM_CONFIG") or None
+    path = path or env_value("DET_LAB_SLURM_CONFIG")
     if path is not None:
         file: Path | None = Path(path).expanduser()
         if not file.is_file():  # type: ignore[union-attr]

@@ -28,6 +28,7 @@ from pathlib import Path
 from flufl.lock import NotLockedError
 
 from det_lab.data.lock import HostLock, LockTimeout, VolumeLock
+from det_lab.settings import env_value
 
 LOCK_NAME = "trainer.lock"
 PARENT_ENV = "DET_LAB_RUN_PID"  # det-lab run's pid, set in the trial's environment
@@ -112,10 +113,7 @@ def die_with_parent(parent: int) -> Callable[[], None]:
 
 def _parent() -> int | None:
     """``det-lab run``'s pid when it started this process (``$DET_LAB_RUN_PID``)."""
-    try:
-        return int(os.environ[PARENT_ENV])
-    except (KeyError, ValueError):
-        return None
+    return env_value(PARENT_ENV)
 
 
 def parent_gone() -> bool:

@@ -8,12 +8,12 @@ and says so, unless ``require_isaaclab`` is true.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 from det_lab.rl import commands
 from det_lab.rl.supervisor import supervise
+from det_lab.settings import env_value
 
 
 def make_build(ctx):
@@ -36,4 +36,4 @@ def make_build(ctx):
 
 
 if __name__ == "__main__":
-    supervise(make_build, preempt_timeout_s=float(os.environ.get("DET_LAB_RL_PREEMPT_TIMEOUT", 90)))
+    supervise(make_build, preempt_timeout_s=env_value("DET_LAB_RL_PREEMPT_TIMEOUT", 90.0))
