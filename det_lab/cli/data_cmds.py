@@ -47,8 +47,10 @@ def register(
 def pull(
     ctx: typer.Context,
     name: str | None = typer.Argument(None, help="Registered dataset name."),
-    project: str | None = typer.Option(None), repo: str | None = typer.Option(None),
-    path: str | None = typer.Option(None), rev: str = typer.Option("HEAD"),
+    project: str | None = typer.Option(None, help="Without NAME: the project the dataset belongs to."),
+    repo: str | None = typer.Option(None, help="Without NAME: the dataset's git repository (path or URL)."),
+    path: str | None = typer.Option(None, help="Without NAME: the DVC-tracked path inside the repository."),
+    rev: str = typer.Option("HEAD", help="Without NAME: the git revision (branch, tag or commit)."),
     as_json: bool = typer.Option(False, "--json", help="Print path and identity as JSON."),
 ) -> None:
     """Fetch a dataset revision into the shared cache once and print where to read it."""
