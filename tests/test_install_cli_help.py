@@ -39,7 +39,7 @@ def test_help_is_plain_complete_and_consistent(path, cmd):
     assert result.exit_code == 0, result.output
     text = result.output
     assert "<bool>" not in text, text  # a flag takes no value
-    assert "``" not in text, text  # reStructuredText, shown raw
+    assert "`" not in text and ":func:" not in text, text  # reStructuredText/Markdown, shown raw
     for d in DIRECTORY_NAMES:
         assert d not in text, f"{' '.join(path)}: says {d!r}, not its template name\n{text}"
     undescribed = [p.opts[0] for p in cmd.params
