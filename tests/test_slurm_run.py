@@ -179,10 +179,14 @@ def test_search_over_a_job_array_prunes_and_reports_the_best(slurm_lab):
     assert pruned and done and len(pruned) + len(done) == 4
     best = shown["best"]
     assert best["value"] == min(t["value"] for t in done) and best["params"] == {"lr": 0.05}
-    for t in pruned:  # stopped at the first rung, worse than the trials that went on
-        assert t["step"] == 40 and t["value"] > best["value"]
+    # ASHA stopped at least one trial at the first rung (which rung a pruned trial reaches depends on
+    # which others finished first, so on a loaded machine a second one may run on); all are worse
+    assert any(t["step"] == 40 for t in pruned), pruned
+    for t in pruned:
+        assert t["step"] <= 80 and t["value"] > best["value"]
         run = state(runs_dir(slurm_lab) / t["run"])
-        assert run["status"] == "pruned" and run["latest_checkpoint_step"] <= 50
+        assert run["status"] == "pruned"
+        assert t["step"] > 40 or run["latest_checkpoint_step"] <= 50
     assert f"best: trial {best['number']}" in proc.stdout and "optuna-dashboard" in proc.stdout
 
 

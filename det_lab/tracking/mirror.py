@@ -239,7 +239,7 @@ class Mirror:
 
     def _catch_up(self, deadline: float, closing: bool) -> bool:
         for s in self._senders:
-            s.supervise()
+            s.supervise(now=closing)  # the trial is ending: no backoff, or its last points wait for sync
         if closing:  # the time a sender needs to start does not count against the close timeout
             started = time.monotonic()
             for s in self._senders:

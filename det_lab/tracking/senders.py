@@ -63,9 +63,9 @@ class SenderProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
-    def supervise(self) -> None:
-        """Restart the sender if it died (with backoff if it keeps dying)."""
-        if self.alive() or time.monotonic() < self._next_restart:
+    def supervise(self, now: bool = False) -> None:
+        """Restart the sender if it died (with backoff if it keeps dying, unless ``now``)."""
+        if self.alive() or (not now and time.monotonic() < self._next_restart):
             return
         code = self.proc.returncode if self.proc else None
         tail = _tail(self.log_path)
