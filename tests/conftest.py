@@ -62,3 +62,19 @@ def lab(tmp_path: Path) -> Lab:
     lab = Lab(root=root, config=config, env=env)
     lab.write_config()
     return lab
+
+
+def publish_tiny_data(settings, workdir: Path) -> None:
+    """Publish the tiny regression dataset (``tests/fixtures/tiny`` trains on it) as ``vla/tiny-data``."""
+    import numpy as np
+
+    from det_lab.data.publish import publish_directory
+
+    src = workdir / "tiny-src"
+    src.mkdir()
+    rng = np.random.default_rng(0)
+    x = rng.uniform(-1, 1, (512, 1))
+    xy = np.hstack([x, 3 * x + 0.5 + rng.normal(0, 0.05, (512, 1))])
+    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
+    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
+    publish_directory(settings, "vla", "tiny-data", src, "tiny regression data")

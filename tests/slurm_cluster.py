@@ -23,7 +23,7 @@ import pytest
 from det_lab.slurm.conf import render_all
 from det_lab.slurm.settings import NodeSettings, SlurmSettings
 from det_lab.tracking.mlflow_server import free_port
-from tests.conftest import Lab
+from tests.conftest import Lab, publish_tiny_data
 
 REPO = Path(__file__).resolve().parents[1]
 #: the tests' tiny PyTorchTrial (linear regression; no shuffling, so resumed losses are exact)
@@ -207,8 +207,6 @@ def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, wit
     MLflow at ``mlflow_uri`` (None: no tracking)."""
     import tempfile
 
-    import numpy as np
-
     from det_lab.data.demo import make_vla_demo
     from det_lab.data.publish import publish_directory
     from det_lab.settings import load_settings
@@ -224,12 +222,5 @@ def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, wit
     if with_vla:
         with tempfile.TemporaryDirectory() as src:
             publish_directory(settings, "vla", "vla-demo", make_vla_demo(Path(src) / "vla-demo"), "VLA demo")
-    src = tmp / "tiny-src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, (512, 1))
-    xy = np.hstack([x, 3 * x + 0.5 + rng.normal(0, 0.05, (512, 1))])
-    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
-    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
-    publish_directory(settings, "vla", "tiny-data", src, "tiny regression data")
+    publish_tiny_data(settings, tmp)
     return lab

@@ -11,16 +11,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import yaml
 
-from det_lab.data.publish import publish_directory
 from det_lab.settings import load_settings
-from tests.conftest import VENV_BIN, Lab
+from tests.conftest import VENV_BIN, Lab, publish_tiny_data
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = Path(__file__).parent / "fixtures" / "tiny"
@@ -39,14 +36,7 @@ def runs_lab(tmp_path_factory) -> Lab:
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "none"})
     lab.cli("init", "--demo", check=True)
-    src = tmp / "tiny-src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, (512, 1))
-    xy = np.hstack([x, 3 * x + 0.5 + rng.normal(0, 0.05, (512, 1))])
-    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
-    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
-    publish_directory(load_settings(lab.config, env={}), "vla", "tiny-data", src, "tiny regression data")
+    publish_tiny_data(load_settings(lab.config, env={}), tmp)
     return lab
 
 

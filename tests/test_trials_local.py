@@ -12,15 +12,13 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from det_lab.data.publish import publish_directory
 from det_lab.settings import load_settings
 from det_lab.trials.local import entry_command, sample_hparams
 from det_lab.volume import init_volume
-from tests.conftest import VENV_BIN
+from tests.conftest import VENV_BIN, publish_tiny_data
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 
@@ -32,14 +30,7 @@ def tiny_lab(lab, mlflow_server, tmp_path):
     lab.env["HOME"] = str(tmp_path / "home")  # to see that nothing lands in ~/.local/share/determined
     settings = load_settings(lab.config, env={})
     init_volume(settings)
-    src = tmp_path / "tiny-src"
-    src.mkdir()
-    rng = np.random.default_rng(0)
-    x = rng.uniform(-1, 1, (512, 1))
-    xy = np.hstack([x, 3 * x + 0.5 + rng.normal(0, 0.05, (512, 1))])
-    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
-    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
-    publish_directory(settings, "vla", "tiny-data", src, "tiny regression data")
+    publish_tiny_data(settings, tmp_path)
     lab.mlflow = MlflowClient(mlflow_server.uri)
     return lab
 

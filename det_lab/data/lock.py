@@ -22,6 +22,17 @@ from det_lab.settings import env_value
 DEFAULT_LIFETIME_S = 60
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` lives on this host (another user's process counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class HostLock(Lock):
     """flufl's lock, naming its holder by ``socket.gethostname()``.
 

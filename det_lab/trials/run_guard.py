@@ -27,7 +27,7 @@ from pathlib import Path
 
 from flufl.lock import NotLockedError
 
-from det_lab.data.lock import HostLock, LockTimeout, VolumeLock
+from det_lab.data.lock import HostLock, LockTimeout, VolumeLock, pid_alive
 from det_lab.settings import env_value
 
 LOCK_NAME = "trainer.lock"
@@ -62,7 +62,7 @@ def trainer(run_dir: Path) -> Trainer | None:
         expires = lock.expiration
     except (NotLockedError, OSError):
         return None
-    if host == lock.hostname and not _alive(pid):
+    if host == lock.hostname and not pid_alive(pid):
         return Trainer(host, pid, f"pid {pid} on host {host} is gone")
     if expires + CLOCK_SLOP < dt.datetime.now():
         return Trainer(host, pid, f"pid {pid} on host {host} stopped renewing it (expired {expires:%Y-%m-%d %H:%M:%S})")
@@ -136,13 +136,3 @@ def watch_parent(on_gone: Callable[[int], None], period_s: float = 1.0) -> threa
     thread = threading.Thread(target=watch, name="det-lab-parent-watch", daemon=True)
     thread.start()
     return thread
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process
-    return True

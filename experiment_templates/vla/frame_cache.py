@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from det_lab.data.lock import pid_alive
 from det_lab.datasets import LeRobotDataset
 
 log = logging.getLogger("vla.frame_cache")
@@ -117,17 +118,8 @@ def _remove_dead_builders(final: Path) -> None:
     host = socket.gethostname()
     for tmp in final.parent.glob(f".{final.stem}.{host}.*.tmp"):
         pid = tmp.name.split(".")[-3]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not pid_alive(int(pid)):
             tmp.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True
 
 
