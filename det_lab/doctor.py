@@ -12,13 +12,13 @@ import pwd
 import shutil
 import subprocess
 import tempfile
-import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal
 
 from det_lab.compat import DETERMINED_VERSION, import_deploy
+from det_lab.net import http_answers
 from det_lab.settings import LabSettings
 from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, human_bytes, is_initialised, project_usage
 
@@ -332,7 +332,7 @@ def gpu_report(gpus_csv: str, apps_csv: str, smi_header: str) -> Iterator[Check]
 
 def _service_checks(settings: LabSettings) -> Iterator[Check]:
     if settings.master_url:
-        ok, detail = _http_get(f"{settings.master_url}/info")
+        ok, detail = http_answers(f"{settings.master_url}/info")
         if ok:
             yield Check("master", "pass", f"{settings.master_url} answers: {detail}")
         else:
@@ -346,7 +346,7 @@ def _service_checks(settings: LabSettings) -> Iterator[Check]:
                     "set tracking.backend to mlflow or aim in the lab config")
         return
     if t.uses_mlflow and t.mlflow_uri and t.mlflow_uri.startswith("http"):
-        ok, detail = _http_get(f"{t.mlflow_uri.rstrip('/')}/health")
+        ok, detail = http_answers(f"{t.mlflow_uri.rstrip('/')}/health")
         yield Check("audit trail mlflow", "pass" if ok else "warn",
                     f"{t.mlflow_uri} {'answers' if ok else 'unreachable: ' + detail}",
                     "" if ok else "start the MLflow server; until then training journals metrics locally")
@@ -354,14 +354,6 @@ def _service_checks(settings: LabSettings) -> Iterator[Check]:
         yield Check("audit trail mlflow", "pass", f"MLflow {t.mlflow_uri or 'local SQLite store'}")
     if t.uses_aim:
         yield Check("audit trail aim", "pass", f"Aim {t.aim_repo or 'local repository'}")
-
-
-def _http_get(url: str, timeout: float = 3.0) -> tuple[bool, str]:
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 (configured URL)
-            return True, f"HTTP {resp.status}"
-    except Exception as exc:
-        return False, str(getattr(exc, "reason", exc))
 
 
 # --- helpers ----------------------------------------------------------------------------------

@@ -11,9 +11,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from det_lab.net import http_answers
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -63,12 +64,9 @@ class MlflowServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.uri}/health", timeout=2) as r:
-                    if r.status == 200:
-                        return self
-            except OSError:
-                time.sleep(0.3)
+            if http_answers(f"{self.uri}/health", timeout=2)[0]:
+                return self
+            time.sleep(0.3)
         self.stop()
         raise RuntimeError(f"mlflow server did not answer within {timeout} s (log: {self.root / 'server.log'})")
 
