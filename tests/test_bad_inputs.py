@@ -187,7 +187,7 @@ def test_pull_and_register_on_a_read_only_volume(volume, tmp_path):
 
 TEMPLATES = Path(__file__).parents[1] / "experiment_templates"
 SHIPPED = sorted(TEMPLATES.glob("*/*.yaml"))
-VALIDATE_EXPCONF = Path("/work/shared/tools/validate-expconf")
+VALIDATE_EXPCONF = Path(__file__).parents[2] / "shared" / "tools" / "validate-expconf"  # ../shared beside the checkout
 
 
 def vla_config(**changes) -> dict:
