@@ -342,6 +342,18 @@ def check_writable(*dirs: Path) -> None:
         os.unlink(probe)
 
 
+def read_section_file(path: Path | str | None, default: Path, error: type[Exception],
+                      what: str) -> tuple[Path | None, dict]:
+    """A config section's file and its mapping: ``path`` when given (it must exist), else
+    ``default`` when it exists, else none (``{}``: the built-in defaults)."""
+    if path is not None:
+        file = Path(path).expanduser()
+        if not file.is_file():
+            raise error(f"{file}: no such {what} file")
+        return file, read_yaml_mapping(file, error)
+    return (default, read_yaml_mapping(default, error)) if default.is_file() else (None, {})
+
+
 def read_yaml_mapping(file: Path, error: type[Exception] = LabConfigError) -> dict[str, Any]:
     """A YAML file whose top level is a mapping; every problem is one line raised as ``error``."""
     try:

@@ -22,7 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from det_lab.compat import DETERMINED_VERSION
-from det_lab.settings import LabSettings, read_yaml_mapping
+from det_lab.settings import LabSettings, read_section_file
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POOL = "default"
@@ -244,15 +244,7 @@ def default_cluster_file(lab: LabSettings) -> Path:
 
 def load_cluster_settings(lab: LabSettings, path: Path | str | None = None) -> ClusterSettings:
     """Load and validate the cluster section; ``path`` overrides the default location."""
-    if path is not None:
-        file: Path | None = Path(path).expanduser()
-        if not file.is_file():  # type: ignore[union-attr]
-            raise ClusterConfigError(f"{file}: no such cluster config file")
-    else:
-        file = default_cluster_file(lab)
-        if not file.is_file():
-            file = None
-    raw = read_yaml_mapping(file, ClusterConfigError) if file else {}
+    file, raw = read_section_file(path, default_cluster_file(lab), ClusterConfigError, "cluster config")
     where = str(file) if file else "built-in cluster defaults"
     try:
         return ClusterSettings.model_validate({**raw, "source": file})

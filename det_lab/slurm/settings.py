@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
-from det_lab.settings import LabSettings, StrictModel, env_value, read_yaml_mapping
+from det_lab.settings import LabSettings, StrictModel, env_value, read_section_file
 
 SLURM_FILE = "slurm.yaml"
 CPU_PARTITION = "cpu"
@@ -155,16 +155,8 @@ def default_slurm_file(lab: LabSettings) -> Path:
 
 def load_slurm_settings(lab: LabSettings, path: Path | str | None = None) -> SlurmSettings:
     """Load and validate the Slurm section; ``path`` (or ``$DET_LAB_SLURM_CONFIG``) overrides the default."""
-    path = path or env_value("DET_LAB_SLURM_CONFIG")
-    if path is not None:
-        file: Path | None = Path(path).expanduser()
-        if not file.is_file():  # type: ignore[union-attr]
-            raise SlurmConfigError(f"{file}: no such Slurm config file")
-    else:
-        file = default_slurm_file(lab)
-        if not file.is_file():
-            file = None
-    raw = read_yaml_mapping(file, SlurmConfigError) if file else {}
+    file, raw = read_section_file(path or env_value("DET_LAB_SLURM_CONFIG"), default_slurm_file(lab),
+                                  SlurmConfigError, "Slurm config")
     where = str(file) if file else "built-in Slurm defaults"
     try:
         return SlurmSettings.model_validate({**raw, "source": file})
