@@ -160,6 +160,8 @@ def test_search_over_a_job_array_prunes_and_reports_the_best(slurm_lab):
     # first rung (40 batches) after two good trials and ASHA stops them there
     config = _tiny_config(slurm_lab, "tiny-search.yaml", **{
         "hyperparameters.lr": {"type": "categorical", "vals": [0.0005, 0.05]},
+        # paced so that a prune decision reaches the trial well before its next validation
+        "hyperparameters.sleep_per_batch": 0.05,
         "searcher": {"name": "adaptive_asha", "metric": "val_loss", "smaller_is_better": True,
                      "time_metric": "batches", "max_time": 80, "max_trials": 4, "max_concurrent_trials": 2,
                      "divisor": 2, "max_rungs": 2},

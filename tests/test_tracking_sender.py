@@ -97,6 +97,8 @@ def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(mlflow_server
                 assert time.monotonic() < deadline, "the sender delivers nothing"
                 time.sleep(0.01)
             delivered = mirror.journal.cursor("mlflow").seq
+            # every sender, restarted ones too, only takes CPU time the training loop leaves
+            assert os.sched_getscheduler(sender.proc.pid) == os.SCHED_IDLE
             os.kill(sender.proc.pid, signal.SIGKILL)
             sender.proc.wait()
             killed += 1

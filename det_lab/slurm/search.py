@@ -238,27 +238,36 @@ def run_task(search: Search, task: str) -> int:
     metric = st["searcher"]["metric"]
     pruned = threading.Event()
     done = threading.Event()
+    reported: set[int] = set()
+
+    def report_new(may_prune: bool) -> None:
+        """Report validation points not yet reported; prune at the first the pruner rejects."""
+        for m in run.metrics():
+            if pruned.is_set():
+                return  # points after the prune decision are the trial winding down, not evidence
+            if m["group"] != "validation" or m["step"] in reported or metric not in m["metrics"]:
+                continue
+            reported.add(m["step"])
+            trial.report(float(m["metrics"][metric]), m["step"])
+            # should_prune also records this trial's value at the rung, which later trials compare with
+            if trial.should_prune() and may_prune:
+                pruned.set()
+                print(f"det-lab: trial {trial.number} pruned at step {m['step']} "
+                      f"({metric}={m['metrics'][metric]:.5g})", flush=True)
+                os.kill(os.getpid(), signal.SIGUSR2)  # stop the trial: it checkpoints first
 
     def watch() -> None:
-        reported: set[int] = set()
         while not done.is_set():
-            for m in run.metrics():
-                if m["group"] != "validation" or m["step"] in reported or metric not in m["metrics"]:
-                    continue
-                reported.add(m["step"])
-                trial.report(float(m["metrics"][metric]), m["step"])
-                if not pruned.is_set() and trial.should_prune():
-                    pruned.set()
-                    print(f"det-lab: trial {trial.number} pruned at step {m['step']} "
-                          f"({metric}={m['metrics'][metric]:.5g})", flush=True)
-                    os.kill(os.getpid(), signal.SIGUSR2)  # stop the trial: it checkpoints first
-            done.wait(0.5)
+            report_new(may_prune=True)
+            done.wait(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     code = run_in_job(run, stop_signals=(signal.SIGUSR2,))
     done.set()
     watcher.join()
+    # points the trial wrote after the last poll: the rungs need them, though pruning is too late now
+    report_new(may_prune=False)
     final = [m["metrics"][metric] for m in run.metrics() if m["group"] == "validation" and metric in m["metrics"]]
     status = run.state().get("status")
     if pruned.is_set():

@@ -227,6 +227,11 @@ class AimBackend(TrackerBackend):
 
     def _deliver_metrics(self, event: Metrics) -> None:
         context = {"subset": event.group}
+        try:  # the whole group in one call: Aim's per-call work (and, remote, one message) is shared
+            self._track(dict(event.values), event.timestamp, None, event.step, context)
+            return
+        except (TypeError, ValueError):
+            pass  # one value Aim refuses: track them one by one (re-tracking a step overwrites it)
         for name, value in event.values.items():
             try:
                 self._track(value, event.timestamp, name, event.step, context)
@@ -310,7 +315,8 @@ class AimBackend(TrackerBackend):
 
     @staticmethod
     def _pick_track_function(run: Any) -> Callable[..., None]:
-        """A ``track(value, timestamp, name, step, context)`` for ``run``.
+        """A ``track(value, timestamp, name, step, context)`` for ``run`` (``value`` a number with
+        its ``name``, or a ``{name: number}`` dict with ``name=None``).
 
         ``Run.track`` stamps points with the time of the call, which squashes a replay after an
         outage into one instant; the tracker's ``_track`` takes the event's own time. Fall back

@@ -3,7 +3,7 @@
     python -m det_lab.tracking.sender JOURNAL_DIR --backend mlflow --writer TOKEN
 
 The trial's :class:`~det_lab.tracking.mirror.Mirror` starts one such process per backend
-(niced, in its own session) and talks to it over its stdin/stdout:
+(in the idle CPU class, in its own session) and talks to it over its stdin/stdout:
 
 * ``w``: events were appended; ``f ID SEQ``: answer ``ID`` once everything up to ``SEQ`` is
   delivered (or the backend is down: a tracker that is down is never waited for);
@@ -252,6 +252,20 @@ def serve(sender: Sender, control: Control, writer: str, linger: float) -> None:
                 return
 
 
+def yield_the_cpu() -> None:
+    """Run only on CPU time nothing else wants (SCHED_IDLE; nice 19 where that is refused).
+
+    Plain niceness still lets a waking sender preempt the training loop on its core; an idle-class
+    process never does, and the load balancer moves it to a core with time to spare. Its threads
+    (Aim's storage threads included) inherit the class.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(19 - os.nice(0))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description="Deliver a det_lab tracking journal to one backend.")
     ap.add_argument("journal", type=Path)
@@ -259,8 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--writer", required=True, help="the token of the trial that started this sender")
     ap.add_argument("--linger", type=float, default=120.0)
     args = ap.parse_args(argv)
-    with contextlib.suppress(OSError):
-        os.nice(10)
+    yield_the_cpu()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"%(asctime)s sender[{args.backend} {os.getpid()}] %(levelname)s %(message)s")
     control = Control()
