@@ -7,8 +7,10 @@ import json
 import os
 import signal
 import subprocess
+import shutil
 import threading
 import time
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 
@@ -18,9 +20,9 @@ from det_lab import data
 from det_lab.data import DataError, DatasetSpec
 from det_lab.data.git import git
 from det_lab.data.publish import publish_directory
-from det_lab.settings import load_settings
-from det_lab.volume import QuotaExceeded, VolumeLayout, disk_usage, init_volume
-from tests.conftest import VENV_BIN
+from det_lab.settings import LabSettings, load_settings
+from det_lab.volume import QuotaExceeded, VolumeLayout, disk_usage, init_volume, project_usage
+from tests.conftest import VENV_BIN, Lab
 
 
 def make_files(root: Path, n: int, size: int, seed: int = 0) -> dict[str, str]:
@@ -52,13 +54,61 @@ def volume(lab):
     return settings
 
 
+@dataclass
+class Published:
+    """A lab whose volume holds published datasets: ``expected`` maps a dataset to its files' md5."""
+
+    lab: Lab
+    settings: LabSettings
+    spec: DatasetSpec
+    expected: dict[str, str]
+
+
+def _make_writable_and_remove(root: Path) -> None:
+    if root.exists():
+        for d in (root, *[p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()]):
+            os.chmod(d, 0o755)
+        shutil.rmtree(root)
+
+
+def _published_once(tmp_path_factory, name: str, n: int, size: int, seed: int):
+    """Publish a dataset once per module (every publish runs git and DVC several times) and keep a
+    pristine copy of the volume; ``restore`` puts that copy back at the same path, so the absolute
+    paths inside it (registry, DVC remote) stay right and each test starts from a fresh volume."""
+    base = tmp_path_factory.mktemp(name)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    lab = Lab(base / "data", base / "lab.yaml", {**env, "DET_LAB_CONFIG": str(base / "lab.yaml"),
+                                                  "XDG_CONFIG_HOME": str(base / "xdg"), "COLUMNS": "200"})
+    lab.write_config()
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    expected = make_files(base / "src", n, size, seed)
+    spec = publish_directory(settings, "vla", name, base / "src", f"{name} v1")
+    pristine = base / "pristine"
+    subprocess.run(["cp", "-a", str(lab.root), str(pristine)], check=True)
+
+    def restore() -> Published:
+        _make_writable_and_remove(lab.root)
+        subprocess.run(["cp", "-a", str(pristine), str(lab.root)], check=True)
+        return Published(lab, settings, spec, expected)
+
+    return restore
+
+
+@pytest.fixture(scope="module")
+def _toy(tmp_path_factory):
+    return _published_once(tmp_path_factory, "toy", 60, 4096, 0)
+
+
 @pytest.fixture
-def published(volume, tmp_path):
-    """A 60-file dataset published as 'toy' in project vla, plus its expected contents."""
-    src = tmp_path / "src"
-    expected = make_files(src, 60, 4096)
-    spec = publish_directory(volume, "vla", "toy", src, "toy v1")
-    return spec, expected
+def toy(_toy) -> Published:
+    """A fresh volume with a 60-file dataset published as 'toy' in project vla (nothing pulled)."""
+    return _toy()
+
+
+@pytest.fixture(scope="module")
+def _big(tmp_path_factory):
+    return _published_once(tmp_path_factory, "big", 40, 2 * 1024 * 1024, 7)  # 80 MiB: slow enough to interrupt
 
 
 def cli_pull(lab, *args: str) -> subprocess.Popen:
@@ -66,8 +116,8 @@ def cli_pull(lab, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def test_first_pull_gives_verified_read_only_data_and_lineage(volume, published):
-    spec, expected = published
+def test_first_pull_gives_verified_read_only_data_and_lineage(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     ds = data.pull("toy", volume)
     assert ds.fetched
     assert tree_md5(ds.path) == expected
@@ -86,7 +136,8 @@ def test_first_pull_gives_verified_read_only_data_and_lineage(volume, published)
     assert both - disk_usage(layout.dvc_cache("vla")) < 64 * 1024
 
 
-def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(lab, volume, published):
+def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     data.pull("toy", volume)
     layout = VolumeLayout(volume.data_root)
     objects_before = sorted(cache_objects(layout, "vla"))
@@ -98,11 +149,12 @@ def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(lab, v
     assert proc.returncode == 0, err
     result = json.loads(out)
     assert result["fetched"] is False
-    assert tree_md5(Path(result["path"])) == published[1]
+    assert tree_md5(Path(result["path"])) == expected
     assert sorted(cache_objects(layout, "vla")) == objects_before
 
 
-def test_nth_pull_is_fast_and_independent_of_file_count(volume, published):
+def test_nth_pull_is_fast_and_independent_of_file_count(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     data.pull("toy", volume)
     spec = data.load_registry(volume)["toy"]
     pinned = DatasetSpec(spec.project, spec.repo, spec.path, rev=data.pull("toy", volume).identity.commit)
@@ -114,11 +166,8 @@ def test_nth_pull_is_fast_and_independent_of_file_count(volume, published):
     assert per_pull < 0.05, f"Nth pull of a pinned revision took {per_pull * 1000:.1f} ms"
 
 
-def test_four_concurrent_pulls_store_each_object_once(lab, volume, tmp_path):
-    src = tmp_path / "src"
-    expected = make_files(src, 300, 16 * 1024, seed=4)
-    publish_directory(volume, "vla", "conc", src, "conc")
-    procs = [cli_pull(lab, "conc") for _ in range(4)]
+def test_four_concurrent_pulls_store_each_object_once(toy):
+    procs = [cli_pull(toy.lab, "toy") for _ in range(4)]
     results = []
     for p in procs:
         out, err = p.communicate(timeout=300)
@@ -126,42 +175,42 @@ def test_four_concurrent_pulls_store_each_object_once(lab, volume, tmp_path):
         results.append(json.loads(out))
     assert len({r["path"] for r in results}) == 1
     assert sum(r["fetched"] for r in results) == 1  # one did the work, three waited and reused it
-    assert tree_md5(Path(results[0]["path"])) == expected
-    layout = VolumeLayout(volume.data_root)
+    assert tree_md5(Path(results[0]["path"])) == toy.expected
+    layout = VolumeLayout(toy.settings.data_root)
     objects = cache_objects(layout, "vla")
-    assert len(objects) == 300 + 1  # every file once, plus the .dir manifest
+    assert len(objects) == 60 + 1  # every file once, plus the .dir manifest
     snaps = [p for p in layout.snapshots("vla").iterdir() if not p.name.startswith(".")]
     assert len(snaps) == 1
     assert not list(layout.snapshots("vla").glob(".tmp-*"))
 
 
-def test_new_revision_shares_unchanged_objects(volume, tmp_path):
+def test_new_revision_shares_unchanged_objects(toy, tmp_path):
+    volume = toy.settings
+    first = data.pull("toy", volume)
     src = tmp_path / "src"
-    make_files(src, 40, 4096)
-    publish_directory(volume, "vla", "evolving", src, "v1")
-    first = data.pull("evolving", volume)
+    shutil.copytree(first.path, src)
+    for d in (src, *[p for p in src.rglob("*") if p.is_dir()]):
+        os.chmod(d, 0o755)
+    os.chmod(src / "part0" / "f00000.bin", 0o644)
     (src / "part0" / "f00000.bin").write_bytes(b"changed")
-    publish_directory(volume, "vla", "evolving", src, "v2")
-    second = data.pull("evolving", volume)
+    publish_directory(volume, "vla", "toy", src, "v2")
+    second = data.pull("toy", volume)
     assert second.fetched and second.path != first.path
     assert (second.path / "part0" / "f00000.bin").read_bytes() == b"changed"
     assert (first.path / "part0" / "f00000.bin").read_bytes() != b"changed"  # old revision intact
+    assert tree_md5(first.path) == toy.expected
     layout = VolumeLayout(volume.data_root)
-    assert len(cache_objects(layout, "vla")) == 40 + 1 + 1 + 1  # one new file, two manifests
+    assert len(cache_objects(layout, "vla")) == 60 + 1 + 1 + 1  # one new file, two manifests
 
 
-def test_quota_refusal_writes_nothing(lab, tmp_path):
-    lab.write_config(projects={"vla": {"quota": "200KiB"}})
-    settings = load_settings(lab.config, env={})
-    init_volume(settings)
-    src = tmp_path / "src"
-    make_files(src, 10, 64 * 1024)  # 640 KiB
-    # publishing writes only the remote and git repo; they count, so use a roomy quota for it
-    roomy = settings.model_copy(update={"projects": {**settings.projects, "vla": settings.projects["3dgs"]}})
-    publish_directory(roomy, "vla", "big", src, "big")
-    layout = VolumeLayout(settings.data_root)
+def test_quota_refusal_writes_nothing(toy, tmp_path):
+    layout = VolumeLayout(toy.settings.data_root)
+    # what publishing wrote (the remote, the git repo) counts; the pull would add 240 KiB of objects
+    quota = project_usage(layout, "vla") + 100 * 1024
+    config = tmp_path / "quota.yaml"
+    config.write_text(f"data_root: {layout.root}\nprojects: {{vla: {{quota: {quota}}}}}\n")
     with pytest.raises(QuotaExceeded, match="project 'vla' would use"):
-        data.pull("big", settings)
+        data.pull("toy", load_settings(config, env={}))
     assert cache_objects(layout, "vla") == []
     assert [p for p in layout.snapshots("vla").iterdir() if not p.name.startswith(".")] == []
 
@@ -176,10 +225,9 @@ def _wait_for(predicate, timeout: float = 60.0) -> bool:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
-def test_interrupted_pull_leaves_nothing_taken_as_complete(lab, volume, tmp_path, sig):
-    src = tmp_path / "src"
-    expected = make_files(src, 40, 2 * 1024 * 1024, seed=7)  # 80 MiB: slow enough to interrupt
-    publish_directory(volume, "vla", "big", src, "big")
+def test_interrupted_pull_leaves_nothing_taken_as_complete(_big, sig):
+    big = _big()
+    lab, volume, expected = big.lab, big.settings, big.expected
     layout = VolumeLayout(volume.data_root)
     proc = cli_pull(lab, "big")
     started = _wait_for(lambda: bool(cache_objects(layout, "vla")) or proc.poll() is not None)
@@ -210,7 +258,7 @@ def _forget_snapshots(layout: VolumeLayout, project: str) -> None:
             continue
         for d in (snap, *[p for p in snap.rglob("*") if p.is_dir()]):
             os.chmod(d, 0o755)
-        __import__("shutil").rmtree(snap)
+        shutil.rmtree(snap)
 
 
 def _rot(path: Path) -> None:
@@ -218,8 +266,8 @@ def _rot(path: Path) -> None:
     path.write_bytes(b"bit rot")
 
 
-def test_corrupt_objects_are_repaired_or_refused(volume, published):
-    spec, expected = published
+def test_corrupt_objects_are_repaired_or_refused(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     layout = VolumeLayout(volume.data_root)
     data.pull("toy", volume)
     _forget_snapshots(layout, "vla")
@@ -243,36 +291,34 @@ def test_missing_repo(volume):
         data.pull(DatasetSpec("vla", "/no/such/repo", "data/x"), volume)
 
 
-def test_missing_revision(volume, published):
-    spec, _ = published
+def test_missing_revision(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     with pytest.raises(DataError, match="revision 'v9' not found"):
         data.pull(DatasetSpec("vla", spec.repo, spec.path, rev="v9"), volume)
     with pytest.raises(DataError, match="revision .* not found"):
         data.pull(DatasetSpec("vla", spec.repo, spec.path, rev="0" * 40), volume)
 
 
-def test_missing_path(volume, published):
-    spec, _ = published
+def test_missing_path(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     with pytest.raises(DataError, match=r"'data/nope' is not tracked by DVC .* \(no data/nope.dvc there\)"):
         data.pull(DatasetSpec("vla", spec.repo, "data/nope", rev="main"), volume)
 
 
-def test_missing_remote(volume, tmp_path):
+def test_missing_remote(toy, tmp_path):
+    """A DVC repository whose default remote was taken out of its committed .dvc/config."""
     repo = tmp_path / "noremote"
-    repo.mkdir()
-    git("init", "--quiet", "--initial-branch=main", str(repo))
-    env = {**os.environ, "DVC_NO_ANALYTICS": "1"}
-    subprocess.run([str(VENV_BIN / "dvc"), "init", "-q"], cwd=repo, check=True, env=env)
-    make_files(repo / "data" / "d", 3, 100)
-    subprocess.run([str(VENV_BIN / "dvc"), "add", "-q", "data/d"], cwd=repo, check=True, env=env)
-    git("add", "-A", cwd=repo)
-    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "x", cwd=repo)
+    git("clone", "--quiet", toy.spec.repo, str(repo))
+    config = repo / ".dvc" / "config"
+    assert "remote = volume" in config.read_text()
+    config.write_text("[core]\n    autostage = true\n")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "no remote", cwd=repo)
     with pytest.raises(DataError, match="no default DVC remote"):
-        data.pull(DatasetSpec("vla", str(repo), "data/d", rev="main"), volume)
+        data.pull(DatasetSpec("vla", str(repo), toy.spec.path, rev="main"), toy.settings)
 
 
-def test_remote_without_the_objects(volume, published):
-    spec, _ = published
+def test_remote_without_the_objects(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     layout = VolumeLayout(volume.data_root)
     files = layout.datasets("vla") / "files"
     files.rename(files.with_name("gone"))
@@ -302,8 +348,8 @@ def test_missing_credentials(volume):
         server.shutdown()
 
 
-def test_unknown_project_and_bad_names(volume, published):
-    spec, _ = published
+def test_unknown_project_and_bad_names(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     with pytest.raises(ValueError, match="unknown project 'nerf'"):
         data.pull(DatasetSpec("nerf", spec.repo, spec.path), volume)
     with pytest.raises(DataError, match="relative path"):
@@ -319,8 +365,8 @@ def test_cli_errors_are_one_line(lab, volume):
     assert len(proc.stderr.strip().splitlines()) == 1 and "/nowhere" in proc.stderr
 
 
-def test_register_checks_the_spec_and_list_shows_it(lab, volume, published):
-    spec, _ = published
+def test_register_checks_the_spec_and_list_shows_it(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     with pytest.raises(DataError, match="not tracked by DVC"):
         data.register("broken", DatasetSpec("vla", spec.repo, "data/missing", "main"), volume)
     ident = data.register("toy-pinned", DatasetSpec("vla", spec.repo, spec.path, "main"), volume)
@@ -356,8 +402,8 @@ def _md5(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
-def test_snapshot_file_rewritten_or_deleted_is_restored_on_the_next_pull(lab, volume, published):
-    spec, expected = published
+def test_snapshot_file_rewritten_or_deleted_is_restored_on_the_next_pull(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     first = data.pull("toy", volume)
     victim = first.path / "part0" / "f00000.bin"
     os.chmod(victim, 0o644)  # what a user does before writing into the read-only snapshot
@@ -386,8 +432,8 @@ def test_snapshot_file_rewritten_or_deleted_is_restored_on_the_next_pull(lab, vo
     assert tree_md5(first.path) == expected
 
 
-def test_damage_the_remote_cannot_restore_is_refused_in_one_line(lab, volume, published):
-    spec, expected = published
+def test_damage_the_remote_cannot_restore_is_refused_in_one_line(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     first = data.pull("toy", volume)
     layout = VolumeLayout(volume.data_root)
     md5 = expected["part1/f00001.bin"]
@@ -400,8 +446,8 @@ def test_damage_the_remote_cannot_restore_is_refused_in_one_line(lab, volume, pu
     assert "toy/part1/f00001.bin" in lines[0] and "det-lab data verify --repair" in lines[0]
 
 
-def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(lab, volume, published):
-    spec, expected = published
+def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(toy):
+    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     first = data.pull("toy", volume)
     victim = first.path / "part2" / "f00002.bin"
     st = victim.stat()
