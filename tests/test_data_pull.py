@@ -116,6 +116,19 @@ def cli_pull(lab, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def cli_in_process(lab: Lab, *args: str) -> subprocess.CompletedProcess:
+    """``det-lab ARGS`` through typer's runner (no interpreter start), for checks after the
+    installed script has been run once in the same test."""
+    from typer.testing import CliRunner
+
+    from det_lab.cli.app import app
+
+    result = CliRunner().invoke(app, list(args), env=lab.env)
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
+
+
 def test_first_pull_gives_verified_read_only_data_and_lineage(toy):
     lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
     ds = data.pull("toy", volume)
@@ -384,14 +397,14 @@ def test_register_checks_the_spec_and_list_shows_it(toy):
 
 # --- an empty directory, and snapshots changed after they were verified ----------------------
 
-def test_empty_directory_dataset(volume, tmp_path):
+def test_empty_directory_dataset(toy, tmp_path):
     src = tmp_path / "empty"
     src.mkdir()
-    publish_directory(volume, "vla", "empty", src, "an empty directory")
-    ds = data.pull("empty", volume)
+    publish_directory(toy.settings, "vla", "toy", src, "now an empty directory")
+    ds = data.pull("toy", toy.settings)
     assert ds.fetched and ds.path.is_dir() and list(ds.path.iterdir()) == []
     assert ds.identity.nfiles == 0
-    assert not data.pull("empty", volume).fetched
+    assert not data.pull("toy", toy.settings).fetched
 
 
 def _object(volume, md5: str) -> Path:
@@ -463,7 +476,7 @@ def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(toy):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"repaired {victim}" in proc.stdout
     assert tree_md5(first.path) == expected
-    proc = lab.cli("data", "verify")
+    proc = cli_in_process(lab, "data", "verify")
     assert proc.returncode == 0 and "0 damaged" in proc.stdout, proc.stdout + proc.stderr
 
     # a damaged cache object no snapshot uses is dropped; the next pull that needs it fetches it
@@ -472,8 +485,8 @@ def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(toy):
     os.chmod(obj, 0o644)
     obj.write_bytes(b"bit rot")
     os.chmod(obj, 0o444)  # read-only again: DVC takes such an object as verified
-    assert lab.cli("data", "verify").returncode == 1
-    proc = lab.cli("data", "verify", "--repair")
+    assert cli_in_process(lab, "data", "verify").returncode == 1
+    proc = cli_in_process(lab, "data", "verify", "--repair")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not obj.exists()
     assert tree_md5(data.pull("toy", volume).path) == expected
