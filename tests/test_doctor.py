@@ -1,4 +1,7 @@
-"""`det-lab doctor` on a missing, read-only, over-quota and healthy data root, and its parsers."""
+"""`det-lab doctor` on a missing, read-only, over-quota and healthy data root, and its parsers.
+
+Most checks run det-lab in this process (fast); the table and the read-only mount go through the
+installed console script, as a user runs it."""
 
 from __future__ import annotations
 
@@ -12,12 +15,31 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
+from typer.testing import CliRunner
+
+from det_lab.cli.app import app
 from det_lab.doctor import gpu_report, mount_of, parse_mounts, run_checks
 from det_lab.settings import load_settings
 from tests.conftest import VENV_BIN
 
 
+def invoke(lab, *args: str):
+    """det-lab in this process: its exit code and output, without the interpreter start."""
+    result = CliRunner().invoke(app, list(args), env=lab.env)
+    assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+    return result
+
+
+def init(lab) -> None:
+    result = invoke(lab, "init")
+    assert result.exit_code == 0, result.output
+
+
 def doctor_json(lab, *prefix: str) -> tuple[int, dict]:
+    """`det-lab doctor --json`; with ``prefix`` (a command to wrap it in) the installed script."""
+    if not prefix:
+        result = invoke(lab, "doctor", "--json")
+        return result.exit_code, json.loads(result.stdout)
     proc = subprocess.run([*prefix, str(VENV_BIN / "det-lab"), "doctor", "--json"], env=lab.env,
                           capture_output=True, text=True, timeout=120)
     assert "Traceback" not in proc.stderr, proc.stderr
@@ -39,7 +61,7 @@ def test_missing_root_fails_with_a_fix(lab):
 
 
 def test_healthy_root_passes(lab):
-    lab.cli("init", check=True)
+    init(lab)
     rc, report = doctor_json(lab)
     checks = by_name(report)
     assert rc == 0 and report["ok"] is True, [c for c in report["checks"] if c["status"] == "fail"]
@@ -54,7 +76,7 @@ def test_healthy_root_passes(lab):
 
 
 def test_human_table_lists_every_check_with_fix(lab):
-    lab.cli("init", check=True)
+    lab.cli("init", check=True)  # both through the installed script
     proc = lab.cli("doctor")
     assert proc.returncode == 0
     for text in ("data root writable", "quota isaac", "docker", "pass", "GPU OOM from concurrent jobs"):
@@ -71,7 +93,7 @@ def test_uninitialised_root_warns_to_run_init(lab):
 
 def test_over_quota_fails_only_that_project(lab):
     lab.write_config(projects={"vla": {"quota": "64KiB"}})
-    lab.cli("init", check=True)
+    init(lab)
     (lab.root / "outputs" / "vla" / "big.bin").write_bytes(os.urandom(200_000))
     rc, report = doctor_json(lab)
     checks = by_name(report)
@@ -85,14 +107,14 @@ def test_over_quota_fails_only_that_project(lab):
 
 def test_nearly_full_quota_warns(lab):
     lab.write_config(projects={"3dgs": {"quota": "100KiB"}})
-    lab.cli("init", check=True)
+    init(lab)
     (lab.root / "datasets" / "3dgs" / "blob").write_bytes(os.urandom(94 * 1024))
     _, report = doctor_json(lab)
     assert by_name(report)["quota 3dgs"]["status"] == "warn"
 
 
 def test_read_only_root_fails(lab):
-    lab.cli("init", check=True)
+    init(lab)
     if os.geteuid() == 0:
         if not shutil.which("unshare"):
             pytest.skip("root without unshare(1): cannot make a read-only mount")
@@ -111,7 +133,7 @@ def test_read_only_root_fails(lab):
 
 
 def test_nfs_mount_is_recognised_and_soft_mounts_warned(lab, tmp_path):
-    lab.cli("init", check=True)
+    init(lab)
     settings = load_settings(lab.config, env={})
     real = open("/proc/mounts").read()
     for opts, status in (("rw,relatime,vers=4.2,hard,proto=tcp", "pass"), ("rw,vers=3,soft", "warn")):
@@ -163,7 +185,7 @@ def _free_port() -> int:
 
 
 def test_master_check(lab):
-    lab.cli("init", check=True)
+    init(lab)
     port = _free_port()
     lab.write_config(master_url=f"http://127.0.0.1:{port}")
     rc, report = doctor_json(lab)
@@ -190,12 +212,12 @@ def test_master_check(lab):
 
 
 def test_directories_another_member_cannot_write_in_are_warned(lab):
-    lab.cli("init", check=True)
+    init(lab)
     made_by_hand = lab.root / "checkpoints" / "vla"
     made_by_hand.chmod(0o755)  # as mkdir makes it under umask 022
     rc, report = doctor_json(lab)
     check = by_name(report)["group sharing"]
     assert rc == 0 and check["status"] == "warn" and str(made_by_hand) in check["detail"]
     assert f"chmod g+ws {made_by_hand}" in check["fix"]
-    lab.cli("init", check=True)  # widens what this user owns
+    init(lab)  # widens what this user owns
     assert by_name(doctor_json(lab)[1])["group sharing"]["status"] == "pass"
