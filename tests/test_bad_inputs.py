@@ -169,11 +169,15 @@ def test_init_on_a_read_only_volume_fails(volume):
 
 
 @needs_ro
-def test_pull_and_register_on_a_read_only_volume(volume, tmp_path):
-    publish_tiny(volume, tmp_path)
+def test_pull_and_register_on_a_read_only_volume(volume, shared):
+    # dataset 'tiny' as published on another volume (its git repo and DVC remote live there)
+    from det_lab import data
+    from det_lab.settings import load_settings
+
+    repo = shared.root / "datasets" / "vla" / "git" / "tiny.git"
+    data.register("tiny", data.DatasetSpec("vla", str(repo), "data/tiny", "main"), load_settings(volume.config, env={}))
     before = snapshot_tree(volume.root)
     assert_refused(cli_read_only(volume, "data", "pull", "tiny"), "not writable", "read-write")
-    repo = volume.root / "datasets" / "vla" / "git" / "tiny.git"
     assert_refused(cli_read_only(volume, "data", "register", "again", "--project", "vla", "--repo", str(repo),
                                  "--path", "data/tiny"), "not writable", "read-write")
     assert snapshot_tree(volume.root) == before

@@ -130,7 +130,7 @@ def cli_in_process(lab: Lab, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_first_pull_gives_verified_read_only_data_and_lineage(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec, expected = toy.settings, toy.spec, toy.expected
     ds = data.pull("toy", volume)
     assert ds.fetched
     assert tree_md5(ds.path) == expected
@@ -150,7 +150,7 @@ def test_first_pull_gives_verified_read_only_data_and_lineage(toy):
 
 
 def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    lab, volume, expected = toy.lab, toy.settings, toy.expected
     data.pull("toy", volume)
     layout = VolumeLayout(volume.data_root)
     objects_before = sorted(cache_objects(layout, "vla"))
@@ -167,7 +167,7 @@ def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(toy):
 
 
 def test_nth_pull_is_fast_and_independent_of_file_count(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec = toy.settings, toy.spec
     data.pull("toy", volume)
     spec = data.load_registry(volume)["toy"]
     pinned = DatasetSpec(spec.project, spec.repo, spec.path, rev=data.pull("toy", volume).identity.commit)
@@ -280,7 +280,7 @@ def _rot(path: Path) -> None:
 
 
 def test_corrupt_objects_are_repaired_or_refused(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, expected = toy.settings, toy.expected
     layout = VolumeLayout(volume.data_root)
     data.pull("toy", volume)
     _forget_snapshots(layout, "vla")
@@ -305,7 +305,7 @@ def test_missing_repo(volume):
 
 
 def test_missing_revision(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec = toy.settings, toy.spec
     with pytest.raises(DataError, match="revision 'v9' not found"):
         data.pull(DatasetSpec("vla", spec.repo, spec.path, rev="v9"), volume)
     with pytest.raises(DataError, match="revision .* not found"):
@@ -313,7 +313,7 @@ def test_missing_revision(toy):
 
 
 def test_missing_path(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec = toy.settings, toy.spec
     with pytest.raises(DataError, match=r"'data/nope' is not tracked by DVC .* \(no data/nope.dvc there\)"):
         data.pull(DatasetSpec("vla", spec.repo, "data/nope", rev="main"), volume)
 
@@ -331,7 +331,7 @@ def test_missing_remote(toy, tmp_path):
 
 
 def test_remote_without_the_objects(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec = toy.settings, toy.spec
     layout = VolumeLayout(volume.data_root)
     files = layout.datasets("vla") / "files"
     files.rename(files.with_name("gone"))
@@ -362,7 +362,7 @@ def test_missing_credentials(volume):
 
 
 def test_unknown_project_and_bad_names(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    volume, spec = toy.settings, toy.spec
     with pytest.raises(ValueError, match="unknown project 'nerf'"):
         data.pull(DatasetSpec("nerf", spec.repo, spec.path), volume)
     with pytest.raises(DataError, match="relative path"):
@@ -379,7 +379,7 @@ def test_cli_errors_are_one_line(lab, volume):
 
 
 def test_register_checks_the_spec_and_list_shows_it(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    lab, volume, spec = toy.lab, toy.settings, toy.spec
     with pytest.raises(DataError, match="not tracked by DVC"):
         data.register("broken", DatasetSpec("vla", spec.repo, "data/missing", "main"), volume)
     ident = data.register("toy-pinned", DatasetSpec("vla", spec.repo, spec.path, "main"), volume)
@@ -416,7 +416,7 @@ def _md5(path: Path) -> str:
 
 
 def test_snapshot_file_rewritten_or_deleted_is_restored_on_the_next_pull(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    lab, volume, expected = toy.lab, toy.settings, toy.expected
     first = data.pull("toy", volume)
     victim = first.path / "part0" / "f00000.bin"
     os.chmod(victim, 0o644)  # what a user does before writing into the read-only snapshot
@@ -446,7 +446,7 @@ def test_snapshot_file_rewritten_or_deleted_is_restored_on_the_next_pull(toy):
 
 
 def test_damage_the_remote_cannot_restore_is_refused_in_one_line(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    lab, volume, expected = toy.lab, toy.settings, toy.expected
     first = data.pull("toy", volume)
     layout = VolumeLayout(volume.data_root)
     md5 = expected["part1/f00001.bin"]
@@ -460,7 +460,7 @@ def test_damage_the_remote_cannot_restore_is_refused_in_one_line(toy):
 
 
 def test_verify_finds_what_the_cheap_check_cannot_and_repairs_it(toy):
-    lab, volume, spec, expected = toy.lab, toy.settings, toy.spec, toy.expected
+    lab, volume, expected = toy.lab, toy.settings, toy.expected
     first = data.pull("toy", volume)
     victim = first.path / "part2" / "f00002.bin"
     st = victim.stat()
