@@ -40,18 +40,24 @@ def write_cluster(lab, data: dict) -> None:
     path.write_text(yaml.safe_dump(data))
 
 
-def rendered(lab, *args: str) -> dict[str, dict]:
-    proc = lab.cli("cluster", "config", *args)
-    assert proc.returncode == 0, proc.stderr
+def rendered(lab, *args: str, script: bool = False) -> dict[str, dict]:
+    """The documents `det-lab cluster config` prints; with ``script`` through the installed script."""
+    if script:
+        proc = lab.cli("cluster", "config", *args)
+        code, out, err = proc.returncode, proc.stdout, proc.stderr
+    else:
+        res = invoke(lab, "cluster", "config", *args)
+        code, out, err = res.exit_code, res.stdout, res.stderr
+    assert code == 0, err
     docs: dict[str, dict] = {}
-    for chunk in proc.stdout.split("# --- ")[1:]:
+    for chunk in out.split("# --- ")[1:]:
         name, _, body = chunk.partition(" ---\n")
         docs[name] = yaml.safe_load(body)
     return docs
 
 
 def test_one_machine_defaults(lab):
-    docs = rendered(lab)
+    docs = rendered(lab, script=True)
     master = docs["master.yaml"]
     assert master_errors(master) == []
     root = str(lab.root)
@@ -243,7 +249,7 @@ def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_
     import yaml
 
     out = tmp_path / "det-lab-template.yaml"
-    proc = lab.cli("cluster", "template", "--out", str(out))
+    proc = lab.cli("cluster", "template", "--out", str(out))  # the installed script
     assert proc.returncode == 0, proc.stderr
     tpl = yaml.safe_load(out.read_text())
     mounts = {m["container_path"]: m for m in tpl["bind_mounts"]}
@@ -256,9 +262,9 @@ def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_
                                env={**os.environ, "PYTHON": str(Path(__import__("sys").executable))})
         assert check.returncode == 0, check.stdout + check.stderr
     # without a master or an admin password, --apply fails in one line
-    proc = lab.cli("cluster", "template", "--apply")
+    proc = invoke(lab, "cluster", "template", "--apply")
     lines = [line for line in proc.stderr.splitlines() if not line.startswith("warning: ")]
-    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert proc.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
 
 
 @pytest.mark.parametrize("tracking, warned", [
@@ -272,8 +278,8 @@ def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_
 def test_tracking_the_tasks_cannot_reach_is_warned_with_the_fix(lab, tracking, warned):
     lab.write_config(tracking=tracking)
     for cmd in (("cluster", "config"), ("cluster", "template")):
-        proc = lab.cli(*cmd)
-        assert proc.returncode == 0, proc.stderr
+        proc = invoke(lab, *cmd)
+        assert proc.exit_code == 0, proc.stderr
         warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
         assert len(warnings) == len(warned), proc.stderr
         for line, expected in zip(warnings, warned):
