@@ -11,8 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 from PIL import Image
+from typer.testing import CliRunner
 
 from det_lab import data
+from det_lab.cli.app import app
 from det_lab.data import DataError
 from det_lab.data.directory import DirectorySpec, content_hash
 from det_lab.data.importer import import_directory
@@ -61,10 +63,13 @@ def test_import_versions_a_directory_that_then_pulls_like_any_dataset(lab, volum
     # a second import of the same name is refused unless it is meant as a new revision
     (src / "meta" / "tasks.parquet").unlink()
     pd.DataFrame({"task_index": [0], "task": ["stack"]}).to_parquet(src / "meta" / "tasks.parquet")
-    again = lab.cli("data", "import", str(src), "garden", "--project", "3dgs")
-    assert again.returncode != 0 and again.stderr.startswith("error: dataset 'garden' is already registered")
+    # (the same command in process: the installed script's start-up was shown above)
+    again = CliRunner().invoke(app, ["data", "import", str(src), "garden", "--project", "3dgs"], env=lab.env)
+    assert again.exit_code != 0 and again.stderr.startswith("error: dataset 'garden' is already registered")
     assert data.pull("garden", volume).identity.commit == pulled.identity.commit
-    assert lab.cli("data", "import", str(src), "garden", "--project", "3dgs", "--replace").returncode == 0
+    replaced = CliRunner().invoke(app, ["data", "import", str(src), "garden", "--project", "3dgs", "--replace"],
+                                  env=lab.env)
+    assert replaced.exit_code == 0, replaced.stderr
     new = data.pull("garden", volume)
     assert new.identity.commit != pulled.identity.commit
     assert pd.read_parquet(new.path / "meta" / "tasks.parquet")["task"].tolist() == ["stack"]
