@@ -37,8 +37,8 @@ def init(lab) -> None:
 
 
 def dry_run(lab, *args: str) -> dict:
-    proc = lab.cli("cluster", *args, "--dry-run", "--json")
-    assert proc.returncode == 0, proc.stderr
+    proc = invoke(lab, "cluster", *args, "--dry-run", "--json")
+    assert proc.exit_code == 0, proc.stderr
     return json.loads(proc.stdout)
 
 
@@ -105,8 +105,8 @@ def test_agent_up_dry_run_plan(lab):
 
 
 def test_up_refuses_when_doctor_fails(lab):
-    proc = lab.cli("cluster", "up")  # the data root was never created
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    proc = invoke(lab, "cluster", "up")  # the data root was never created
+    assert proc.exit_code == 2 and "Traceback" not in proc.stderr
     assert f"fail  data root: {lab.root} does not exist" in proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: refusing to start: 1 doctor check(s) failed (data root); fix them and re-run")
@@ -140,8 +140,8 @@ def test_link_users_dry_run(lab):
         "alice": {"uid": 1001, "gid": 2000, "user": "alice", "group": "robots"},
         "bob": {"uid": 1002, "gid": 2000, "user": "bob", "group": "robots"},
     }}))
-    proc = lab.cli("cluster", "link-users", "--dry-run")
-    assert proc.returncode == 0, proc.stderr
+    proc = invoke(lab, "cluster", "link-users", "--dry-run")
+    assert proc.exit_code == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "det -m http://gpu-a.lab:8080 user link-with-agent-user alice --agent-uid 1001 --agent-gid 2000 "
         "--agent-user alice --agent-group robots",
