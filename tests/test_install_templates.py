@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from typer.testing import CliRunner
 
 from det_lab import templates
+from det_lab.cli.app import app
+from det_lab.settings import load_settings
 from det_lab.trials.expconf import lab_section, training_length
+from det_lab.volume import init_volume
 
 REPO = Path(__file__).resolve().parents[1]
 VALIDATOR = REPO.parent / "shared" / "tools" / "validate-expconf"
@@ -98,6 +102,17 @@ FAILING_TRIAL = {
 }
 
 
+def invoke(lab, *args: str) -> subprocess.CompletedProcess:
+    """det-lab in this process (no interpreter start), for commands that end before training;
+    a run that trains goes through the installed script."""
+    res = CliRunner().invoke(app, list(args), env=lab.env)
+    return subprocess.CompletedProcess(list(args), res.exit_code, res.stdout, res.stderr)
+
+
+def init(lab) -> None:
+    init_volume(load_settings(lab.config, env={}))
+
+
 def _runs(lab) -> list[Path]:
     runs = lab.root / "outputs" / "vla" / "local-runs"
     return sorted(runs.iterdir()) if runs.is_dir() else []
@@ -106,8 +121,8 @@ def _runs(lab) -> list[Path]:
 def test_missing_optional_package_refuses_before_anything_is_made(lab):
     if importlib.util.find_spec("gsplat") is not None:
         pytest.skip("gsplat is installed here")
-    lab.cli("init", check=True)
-    proc = lab.cli("run", "3dgs", "--local", "--set", "hyperparameters.backend=gsplat", "--set", "data.det_lab.dataset=null")
+    init(lab)
+    proc = invoke(lab, "run", "3dgs", "--local", "--set", "hyperparameters.backend=gsplat", "--set", "data.det_lab.dataset=null")
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: template 3dgs needs gsplat") and "pip install gsplat" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
@@ -115,18 +130,18 @@ def test_missing_optional_package_refuses_before_anything_is_made(lab):
 
 
 def test_bad_set_and_set_on_resume_are_one_line(lab):
-    lab.cli("init", check=True)
-    proc = lab.cli("run", "vla", "--local", "--set", "data.det_lab.max_length=")
+    init(lab)
+    proc = invoke(lab, "run", "vla", "--local", "--set", "data.det_lab.max_length=")
     assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "max_length" in proc.stderr
-    proc = lab.cli("run", "vla", "--local", "--set", "name.x=1")
+    proc = invoke(lab, "run", "vla", "--local", "--set", "name.x=1")
     assert proc.returncode == 2 and proc.stderr == "error: --set name.x: name is a str, not a mapping\n"
-    proc = lab.cli("run", "vla", "--local", "--resume", "--set", "hyperparameters.lr=1")
+    proc = invoke(lab, "run", "vla", "--local", "--resume", "--set", "hyperparameters.lr=1")
     assert proc.returncode == 2 and "--set applies to new runs" in proc.stderr
     assert _runs(lab) == []
 
 
 def test_a_run_without_checkpoint_offers_no_resume(lab, tmp_path):
-    lab.cli("init", check=True)
+    init(lab)
     trial = tmp_path / "fails"
     trial.mkdir()
     (trial / "const.yaml").write_text(yaml.safe_dump(FAILING_TRIAL))
