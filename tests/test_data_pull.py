@@ -23,6 +23,7 @@ from det_lab.data.publish import publish_directory
 from det_lab.settings import LabSettings, load_settings
 from det_lab.volume import QuotaExceeded, VolumeLayout, disk_usage, init_volume, project_usage
 from tests.conftest import VENV_BIN, Lab
+from tests.test_bad_inputs import cli as cli_in_process
 
 
 def make_files(root: Path, n: int, size: int, seed: int = 0) -> dict[str, str]:
@@ -114,19 +115,6 @@ def _big(tmp_path_factory):
 def cli_pull(lab, *args: str) -> subprocess.Popen:
     return subprocess.Popen([str(VENV_BIN / "det-lab"), "data", "pull", "--json", *args], env=lab.env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def cli_in_process(lab: Lab, *args: str) -> subprocess.CompletedProcess:
-    """``det-lab ARGS`` through typer's runner (no interpreter start), for checks after the
-    installed script has been run once in the same test."""
-    from typer.testing import CliRunner
-
-    from det_lab.cli.app import app
-
-    result = CliRunner().invoke(app, list(args), env=lab.env)
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(args, result.exit_code, result.stdout, result.stderr)
 
 
 def test_first_pull_gives_verified_read_only_data_and_lineage(toy):

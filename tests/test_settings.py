@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from det_lab.settings import BUILTIN_PROJECTS, LabConfigError, find_config_file, load_settings
+from tests.test_bad_inputs import cli as cli_in_process
 
 
 def write(path: Path, text: str) -> Path:
@@ -131,8 +132,7 @@ def test_unreadable_config_is_an_error(tmp_path):
 
 def test_cli_reports_config_error_in_one_line_without_traceback(lab):
     lab.config.write_text("projects: {vla: {quota: lots}}\n")
-    for args in (["init"], ["config"]):
-        proc = lab.cli(*args)
+    for proc in (lab.cli("init"), cli_in_process(lab, "config")):  # the installed script, then in process
         assert proc.returncode == 2
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1, proc.stderr
@@ -142,6 +142,8 @@ def test_cli_reports_config_error_in_one_line_without_traceback(lab):
 
 def test_cli_config_shows_effective_values(lab):
     lab.write_config(projects={"vla": {"quota": "3TiB"}})
-    out = lab.cli("config", check=True).stdout
+    proc = cli_in_process(lab, "config")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
     assert f"source: {lab.config}" in out
     assert "3072GiB" in out and str(lab.root) in out
