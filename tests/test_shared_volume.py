@@ -83,14 +83,29 @@ class Team:
     def data(self) -> Path:
         return self.base / "data"
 
-    def det_lab(self, user: User, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-        """``det-lab ARGS`` as ``user`` with umask 022, as a shell login would run it."""
+    def start(self, user: User, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start ``det-lab ARGS`` as ``user`` with umask 022, as a shell login would run it."""
         run_env = {"PATH": f"{self.bin}:/usr/bin:/bin", "HOME": str(user.home), "USER": user.name,
                    "LOGNAME": user.name, "DET_LAB_CONFIG": str(self.base / "lab.yaml"), "COLUMNS": "200",
                    **(env or {})}
-        return subprocess.run([str(self.bin / "det-lab"), *args], user=user.uid, group=user.gid,
-                              extra_groups=[self.gid], umask=0o022, env=run_env, cwd=user.home,
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.Popen([str(self.bin / "det-lab"), *args], user=user.uid, group=user.gid,
+                                extra_groups=[self.gid], umask=0o022, env=run_env, cwd=user.home,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def det_lab(self, user: User, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        """``det-lab ARGS`` as ``user``, to its end."""
+        return finish(self.start(user, *args, env=env))
+
+
+def finish(proc: subprocess.Popen) -> subprocess.CompletedProcess:
+    """Wait for a started det-lab (killed past 300 s) and return what it printed."""
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _add_user(name: str, group: str, base: Path) -> User:
@@ -217,13 +232,15 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
     assert stat.S_IMODE(snapshots.stat().st_mode) & 0o2070 == 0o2070
     assert {p.lstat().st_gid for p in snapshots.rglob("*")} == {team.gid}
 
-    # a PyTorchTrial's checkpoints carry a copy of the code, which Determined makes 0755
-    tiny = team.det_lab(team.a, "run", str(TINY_PYTORCH_TRIAL), "--local")
+    # b resumes a's run while a trains a PyTorchTrial, whose checkpoints carry a copy of the code,
+    # which Determined makes 0755
+    tiny = team.start(team.a, "run", str(TINY_PYTORCH_TRIAL), "--local")
+    resumed = team.det_lab(team.b, "run", str(team.base / "trial"), "--local", "--resume", "--run", run_dir.name)
+    tiny = finish(tiny)
     assert tiny.returncode == 0, tiny.stdout + tiny.stderr
     codes = list(ckpts.glob("*/code"))
     assert codes and [bad for c in codes for bad in _not_shared(c, team)] == []
 
-    resumed = team.det_lab(team.b, "run", str(team.base / "trial"), "--local", "--resume", "--run", run_dir.name)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     state = yaml.safe_load((run_dir / "run.json").read_text())
     assert state["status"] == "finished" and state["latest_checkpoint_step"] == 40
