@@ -49,6 +49,30 @@ def mlflow_server(tmp_path_factory):
     server.stop()
 
 
+@pytest.fixture(scope="session")
+def shared_mlflow_server(tmp_path_factory):
+    """One real ``mlflow server`` for the modules that only read their own runs back from it."""
+    from det_lab.tracking.mlflow_server import MlflowServer, free_port
+
+    server = MlflowServer(tmp_path_factory.mktemp("mlflow-shared"), free_port()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_lab(tmp_path_factory, shared_mlflow_server) -> Lab:
+    """One lab after ``det-lab init --demo`` (vla-demo and 3dgs-demo published), tracking to
+    ``shared_mlflow_server``; shared by the template modules, whose runs each find by project."""
+    tmp = tmp_path_factory.mktemp("demo-lab")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               DET_LAB_TEMPLATES=str(Path(__file__).resolve().parents[1] / "experiment_templates"))
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": shared_mlflow_server.uri})
+    lab.cli("init", "--demo", check=True)
+    return lab
+
+
 @pytest.fixture
 def lab(tmp_path: Path) -> Lab:
     root = tmp_path / "data"
