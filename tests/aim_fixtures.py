@@ -1,12 +1,17 @@
-"""A real ``aim server`` (Aim's remote tracking server) on 127.0.0.1, as a pytest fixture."""
+"""Tracker servers for the tests: a real ``aim server`` (Aim's remote tracking server) on
+127.0.0.1 as a pytest fixture, and a relay that cuts a real tracker off its clients (an outage
+that costs no server restart)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -74,10 +79,79 @@ class AimServer:
             time.sleep(0.1)
 
 
-@pytest.fixture
-def aim_server(tmp_path: Path) -> Iterator[AimServer]:
-    """A running ``aim server`` on a free port with its repo under ``tmp_path``."""
-    server = AimServer(repo=tmp_path / "aim-server-repo", port=free_port()).start()
+class Relay:
+    """A TCP relay on ``port`` to ``upstream_port``: the address a client is given for a server.
+
+    ``stop()`` is an outage as the client sees a dead server: open connections are reset, new ones
+    refused. ``start()`` ends it at once, the server behind it having kept all its data.
+    """
+
+    def __init__(self, upstream_port: int, port: int | None = None) -> None:
+        self.upstream_port = upstream_port
+        self.port = port or free_port()
+        self._listener: socket.socket | None = None
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    @property
+    def uri(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> Relay:
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        listener.listen(64)
+        self._listener = listener
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.shutdown(socket.SHUT_RDWR)
+            listener.close()
+        with self._lock:
+            conns, self._open = self._open, set()
+        for conn in conns:
+            with contextlib.suppress(OSError):  # linger 0: close resets, as a dead server's kernel does
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            conn.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:
+                return  # stopped
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                if self._listener is not listener:
+                    client.close(), upstream.close()
+                    return
+                self._open |= {client, upstream}
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        with self._lock:
+            self._open -= {src, dst}
+        src.close(), dst.close()  # one side hung up: so does the other (HTTP does not half-close)
+
+
+@pytest.fixture(scope="module")
+def aim_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AimServer]:
+    """A running ``aim server`` on a free port, one per test module (tests use their own run keys)."""
+    server = AimServer(repo=tmp_path_factory.mktemp("aim") / "aim-server-repo", port=free_port()).start()
     try:
         yield server
     finally:

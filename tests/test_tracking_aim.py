@@ -6,6 +6,7 @@ proves that what the backend wrote is in the repo's index, not only in this proc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -211,12 +212,13 @@ EXIT_WITH_OPEN_RUN = textwrap.dedent("""
 
 
 def test_server_outage_raises_and_a_reopen_replays_without_duplicates(aim_server: AimServer) -> None:
+    info = dataclasses.replace(INFO, key="det-test-e1-outage")  # the server also holds the remote test's run
     other = subprocess.Popen([sys.executable, "-c", EXIT_WITH_OPEN_RUN, aim_server.uri], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              cwd=Path(__file__).parent.parent)
     try:
         backend = AimBackend(aim_server.uri)
-        run_hash = backend.open(INFO, None)
+        run_hash = backend.open(info, None)
         backend.deliver(FIRST_BATCH)
         assert other.stdout.readline().strip() == "ready"
 
@@ -227,7 +229,7 @@ def test_server_outage_raises_and_a_reopen_replays_without_duplicates(aim_server
             backend.deliver(losses(range(4, 6)))
         assert time.monotonic() - started < 5
         with pytest.raises(ConnectionError):
-            backend.open(INFO, run_hash)
+            backend.open(info, run_hash)
 
         # A process that exits with an open run and unsent writes must not hang in Aim's exit cleanup.
         started = time.monotonic()
@@ -240,7 +242,7 @@ def test_server_outage_raises_and_a_reopen_replays_without_duplicates(aim_server
             other.wait()
 
     aim_server.start()
-    assert backend.open(INFO, run_hash) == run_hash
+    assert backend.open(info, run_hash) == run_hash
     backend.deliver(FIRST_BATCH + losses(range(4, 6)))
     backend.close("FINISHED")
 
