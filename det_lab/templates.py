@@ -18,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 TEMPLATES_ENV = "DET_LAB_TEMPLATES"
 #: the names templates are known by (help, errors, listings), and their directories
 NAMES = {"vla": "vla", "3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
@@ -185,6 +183,8 @@ def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, A
     ``conf["data"]["det_lab"]["max_length"]["batches"] = 50``, and with it ASHA's
     ``searcher.max_time`` (which sets a trial's length when present) unless that is set too.
     """
+    import yaml
+
     keys = [item.partition("=")[0].strip() for item in assignments]
     for item in assignments:
         key, sep, raw = item.partition("=")

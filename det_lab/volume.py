@@ -26,9 +26,10 @@ import os
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from det_lab.settings import LabSettings
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
 
 LAYOUT_VERSION = 1
 SHARED_DIR_MODE = 0o2775  # rwxrwsr-x

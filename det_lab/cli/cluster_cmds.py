@@ -10,25 +10,16 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
-import yaml
 
 from det_lab.cli.common import console, err_console, fail, state
-from det_lab.cluster import deploy, plan
-from det_lab.cluster.config import render_agent, render_master, render_task_template, tracking_problems
-from det_lab.cluster.schema import agent_errors, master_errors
-from det_lab.cluster.secrets import (
-    ADMIN_PASSWORD_FILE,
-    SecretError,
-    ensure_cluster_secrets,
-    private_dir,
-    read_private,
-)
-from det_lab.cluster.settings import ClusterConfigError, ClusterSettings, load_cluster_settings
-from det_lab.cluster.users import UserMappingError, user_links
-from det_lab.settings import LabSettings
+
+if TYPE_CHECKING:
+    from det_lab.cluster import plan
+    from det_lab.cluster.settings import ClusterSettings
+    from det_lab.settings import LabSettings
 
 app = typer.Typer(
     help="The Determined cluster: master + database on one machine, an agent on every GPU machine.",
@@ -51,6 +42,8 @@ def _cluster(
 
 
 def _load(ctx: typer.Context, master: str | None = None) -> tuple[LabSettings, ClusterSettings]:
+    from det_lab.cluster.settings import ClusterConfigError, ClusterSettings, load_cluster_settings
+
     lab = state(ctx).settings
     try:
         cluster = load_cluster_settings(lab, ctx.meta.get(_META_KEY))
@@ -91,12 +84,18 @@ def _one_line_errors(errors: list[str], what: str) -> None:
 
 
 def _warn_tracking(lab: LabSettings) -> None:
+    from det_lab.cluster.config import tracking_problems
+
     for problem in tracking_problems(lab):
         err_console.print(f"[bold yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
 
 
 def _deploying(action: Callable[[], T]) -> T:
     """Run a deploy step; every failure becomes the failing doctor lines plus one error line."""
+    from det_lab.cluster import deploy
+    from det_lab.cluster.secrets import SecretError
+    from det_lab.cluster.settings import ClusterConfigError
+
     try:
         return action()
     except deploy.PreflightFailed as exc:
@@ -115,6 +114,12 @@ def config(
     agent: list[str] = typer.Option([], "--agent", help="Also render agent.yaml for this agent id."),
 ) -> None:
     """Render and validate master.yaml and agent.yaml (no secrets in them)."""
+    import yaml
+
+    from det_lab.cluster.config import render_agent, render_master
+    from det_lab.cluster.schema import agent_errors, master_errors
+    from det_lab.cluster.settings import ClusterConfigError
+
     lab, cluster = _load(ctx)
     master = render_master(lab, cluster)
     errors = [f"master.yaml: {e}" for e in master_errors(master)]
@@ -150,6 +155,8 @@ def config(
 @app.command()
 def password() -> None:
     """Create the admin and database passwords if missing; the admin password is shown only then."""
+    from det_lab.cluster.secrets import SecretError, ensure_cluster_secrets, private_dir
+
     directory = private_dir()
     try:
         secrets = ensure_cluster_secrets(directory)
@@ -178,6 +185,9 @@ def up(
         None, "--password-file", help="A 0600 file with the initial admin password (default: generate one)."),
 ) -> None:
     """Start database, master and a local agent on this machine (after det-lab doctor passes)."""
+    from det_lab.cluster import deploy, plan
+    from det_lab.cluster.secrets import private_dir
+
     lab, cluster = _load(ctx)
     private = private_dir()
     _one_line_errors(deploy.config_errors(lab, cluster, [agent_id]), "config")
@@ -201,6 +211,9 @@ def agent_up(
     agent_id: str = typer.Option(socket.gethostname(), "--agent-id", help="Id of this agent (unique)."),
 ) -> None:
     """Start an agent on this GPU machine that joins MASTER."""
+    from det_lab.cluster import deploy, plan
+    from det_lab.cluster.secrets import private_dir
+
     lab, cluster = _load(ctx, master)
     if pool is not None and pool not in cluster.pool_names():
         fail(f"--pool {pool!r}: the cluster config defines no such pool (pools: {', '.join(cluster.pool_names())})")
@@ -218,6 +231,8 @@ def down(
     delete_db: bool = typer.Option(False, "--delete-db", help="Also delete the database volume (all history!)."),
 ) -> None:
     """Stop this machine's master, database and agents (the database volume is kept)."""
+    from det_lab.cluster import deploy
+
     _lab, cluster = _load(ctx)
     try:
         deploy.down(cluster, delete_db=delete_db)
@@ -229,6 +244,8 @@ def down(
 @app.command()
 def status(ctx: typer.Context) -> None:
     """The cluster's containers on this machine and whether the master answers."""
+    from det_lab.cluster import deploy
+
     _lab, cluster = _load(ctx)
     try:
         client = deploy.docker_client()
@@ -251,6 +268,8 @@ def logs(
     tail: int = typer.Option(50, "--tail", "-n", help="Lines per container."),
 ) -> None:
     """The last lines of each cluster container's log (follow one with: docker logs -f NAME)."""
+    from det_lab.cluster import deploy
+
     _lab, cluster = _load(ctx)
     try:
         client = deploy.docker_client()
@@ -262,6 +281,8 @@ def logs(
 
 def _det_as_admin(what: str) -> tuple[str, dict[str, str]]:
     """The ``det`` CLI and an environment that logs it in as the cluster's admin."""
+    from det_lab.cluster.secrets import ADMIN_PASSWORD_FILE, SecretError, private_dir, read_private
+
     det = shutil.which("det", path=str(Path(sys.executable).parent)) or shutil.which("det")
     if det is None:
         fail("the 'det' CLI is not installed: pip install determined==0.38.1")
@@ -278,6 +299,8 @@ def link_users(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the det commands; run nothing."),
 ) -> None:
     """Link Determined users to Unix uid/gid (tasks then never run as root on the NFS volume)."""
+    from det_lab.cluster.users import UserMappingError, user_links
+
     lab, cluster = _load(ctx)
     try:
         links = user_links(lab, cluster)
@@ -310,6 +333,11 @@ def template(
     JupyterLab, commands and experiments started with '--template det-lab' (or picked in the
     Web UI) then see the NFS volume at its host paths.
     """
+    import yaml
+
+    from det_lab.cluster.config import render_task_template
+    from det_lab.cluster.secrets import private_dir
+
     lab, cluster = _load(ctx)
     _warn_tracking(lab)
     text = yaml.safe_dump(render_task_template(lab, cluster), sort_keys=False)

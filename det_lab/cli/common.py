@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import typer
 from rich.console import Console
 
-from det_lab.settings import LabConfigError, LabSettings, load_settings
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
 
 # Piped or redirected output keeps whole lines: paths and commands are for copying, and rich
 # would otherwise cut tables to 80 columns with an ellipsis.
@@ -28,6 +29,8 @@ class State:
     @property
     def settings(self) -> LabSettings:
         if self._settings is None:
+            from det_lab.settings import LabConfigError, load_settings
+
             try:
                 self._settings = load_settings(self.config)
             except LabConfigError as exc:

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
-from det_lab import data
 from det_lab.cli.common import console, err_console, fail, state
-from det_lab.volume import QuotaExceeded, human_bytes
+
+if TYPE_CHECKING:
+    from det_lab import data
 
 app = typer.Typer(help="Datasets on the shared volume (DVC): pulled once, used by every trial.", no_args_is_help=True)
 
 
 def _spec_or_name(name: str | None, project: str | None, repo: str | None, path: str | None, rev: str) -> str | data.DatasetSpec:
+    from det_lab import data
+
     if name and not (repo or path):
         return name
     if not (project and repo and path):
@@ -34,6 +37,9 @@ def register(
     replace: bool = typer.Option(False, help="Replace an existing registration of NAME."),
 ) -> None:
     """Register a dataset by name after checking that repo, revision and path exist."""
+    from det_lab import data
+    from det_lab.volume import human_bytes
+
     settings = state(ctx).settings
     try:
         identity = data.register(name, data.DatasetSpec(project, repo, path, rev), settings, replace=replace)
@@ -54,6 +60,9 @@ def pull(
     as_json: bool = typer.Option(False, "--json", help="Print path and identity as JSON."),
 ) -> None:
     """Fetch a dataset revision into the shared cache once and print where to read it."""
+    from det_lab import data
+    from det_lab.volume import QuotaExceeded, human_bytes
+
     settings = state(ctx).settings
     try:
         ds = data.pull(_spec_or_name(name, project, repo, path, rev), settings)
@@ -77,6 +86,9 @@ def pull(
 @app.command()
 def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered dataset name.")) -> None:
     """Show what a dataset name resolves to now and whether it is ready on the volume."""
+    from det_lab import data
+    from det_lab.volume import human_bytes
+
     settings = state(ctx).settings
     try:
         st = data.status(name, settings)
@@ -92,6 +104,11 @@ def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered 
 @app.command("list")
 def list_(ctx: typer.Context) -> None:
     """List datasets and snapshots on the volume with sizes per project."""
+    from rich.table import Table
+
+    from det_lab import data
+    from det_lab.volume import human_bytes
+
     settings = state(ctx).settings
     try:
         listings = data.list_volume(settings)
@@ -115,6 +132,7 @@ def verify(
     repair: bool = typer.Option(False, "--repair", help="Restore damaged files from the DVC remote."),
 ) -> None:
     """Hash (md5, as DVC) every snapshot file and shared-cache object; --repair restores damage."""
+    from det_lab import data
     from det_lab.data.verify import verify as verify_volume
 
     settings = state(ctx).settings
@@ -149,7 +167,9 @@ def import_(
     """Version a directory with DVC on the volume and register it as NAME, in one command."""
     from pathlib import Path
 
+    from det_lab import data
     from det_lab.data.importer import import_directory
+    from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
     try:

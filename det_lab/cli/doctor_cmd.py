@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
 from det_lab.cli.common import console, state
-from det_lab.doctor import Check, as_json, risk_lines, run_checks
-from det_lab.settings import LabConfigError, load_settings
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from det_lab.doctor import Check
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 
@@ -22,6 +25,9 @@ def doctor(
 
     Exits 1 when any check fails.
     """
+    from det_lab.doctor import Check, as_json, risk_lines, run_checks
+    from det_lab.settings import LabConfigError, load_settings
+
     try:
         settings = load_settings(state(ctx).config)
     except LabConfigError as exc:
@@ -38,6 +44,8 @@ def doctor(
 
 
 def _table(title: str, checks: list[Check], fix: bool = True) -> Table:
+    from rich.table import Table
+
     table = Table(title=title, title_justify="left", expand=False)
     table.add_column("check", no_wrap=True)
     table.add_column("status", no_wrap=True)

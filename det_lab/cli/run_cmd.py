@@ -5,17 +5,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
-from det_lab import templates
 from det_lab.cli.common import console, err_console, fail, state, viewer_command
-from det_lab.core import local_checkpoint_dir
-from det_lab.settings import LabSettings
-from det_lab.tracking.journal import Journal, JournalError
-from det_lab.trials import local
-from det_lab.trials.record import LocalRunRecord
+
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
+    from det_lab.trials.record import LocalRunRecord
 
 
 def run(
@@ -44,6 +42,8 @@ def run(
         return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
+    from det_lab.trials import local
+
     settings = state(ctx).settings
     try:
         run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
@@ -66,6 +66,12 @@ def _warn(message: str) -> None:
 
 
 def _summary(run_: LocalRunRecord, code: int, settings: LabSettings) -> None:
+    from rich.table import Table
+
+    from det_lab import templates
+    from det_lab.core import local_checkpoint_dir
+    from det_lab.trials import local
+
     st = run_.state()
     step, val = run_.progress()
     title = st["status"] if code == 0 else f"{st['status']} (exit code {code})"
@@ -105,6 +111,8 @@ def _summary(run_: LocalRunRecord, code: int, settings: LabSettings) -> None:
 
 def _targets(journal: str) -> dict[str, str]:
     """Where each backend delivered the run's metrics, as its journal recorded it."""
+    from det_lab.tracking.journal import Journal, JournalError
+
     try:
         return Journal(Path(journal)).run()[1]
     except (JournalError, OSError):

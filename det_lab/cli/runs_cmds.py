@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import json
 import time
+from typing import TYPE_CHECKING
 
 import typer
-from rich.table import Table
 
 from det_lab.cli.common import console, fail, state
-from det_lab.settings import LabSettings
-from det_lab.slurm import submit
-from det_lab.slurm.record import SlurmRunRecord
-from det_lab.trials.record import LocalRunRecord, iter_records
-from det_lab.volume import VolumeLayout
+
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
+    from det_lab.trials.record import LocalRunRecord
 
 app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
                   no_args_is_help=True)
@@ -23,6 +22,9 @@ ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
 
 
 def all_runs(settings: LabSettings, project: str | None = None) -> list[LocalRunRecord]:
+    from det_lab.trials.record import iter_records
+    from det_lab.volume import VolumeLayout
+
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
     runs = [r for p in projects for r in iter_records(layout, p)]
@@ -48,6 +50,9 @@ def _where(run: LocalRunRecord, st: dict) -> str:
 
 def live_status(run: LocalRunRecord) -> str:
     """run.json's status, corrected by Slurm for a job that ended without the driver saying so."""
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+
     st = run.state()
     status = st.get("status") or "created"
     if isinstance(run, SlurmRunRecord) and status not in ENDED and run.job_id():
@@ -68,6 +73,8 @@ def list_runs(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per run."),
 ) -> None:
     """Every run on the volume, oldest first: kind, status, progress, where it ran."""
+    from rich.table import Table
+
     settings = state(ctx).settings
     if project:
         try:
@@ -97,6 +104,8 @@ def list_runs(
 @app.command()
 def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name (det-lab runs list).")) -> None:
     """A run's record: config, hyperparameters, checkpoints, where it ran, tracking."""
+    from rich.table import Table
+
     run = find_run(state(ctx).settings, name)
     st = run.state()
     step, val = run.progress()
@@ -158,6 +167,9 @@ def tail(
 @app.command()
 def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name.")) -> None:
     """Stop a run: a Slurm job is cancelled (its trial checkpoints first, as on a time limit)."""
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+
     run = find_run(state(ctx).settings, name)
     st = run.state()
     if st.get("status") in ENDED:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 
 from det_lab.cli.common import console, err_console, fail, state
-from det_lab.settings import LabSettings
-from det_lab.slurm.conf import render_all, setup_notes
-from det_lab.slurm.settings import SlurmConfigError, SlurmSettings, load_slurm_settings
+
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
+    from det_lab.slurm.settings import SlurmSettings
 
 app = typer.Typer(
     help="Slurm as the second scheduler: cluster config, Apptainer images, Optuna searches, GitLab CI.",
@@ -33,6 +35,8 @@ def _slurm(
 
 def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
     """The lab settings and the Slurm section; a bad file is one error line."""
+    from det_lab.slurm.settings import SlurmConfigError, load_slurm_settings
+
     lab = state(ctx).settings
     try:
         return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
@@ -55,6 +59,8 @@ def config(
     out: Path | None = typer.Option(None, "--out", "-o", help="Write slurm.conf, gres.conf and cgroup.conf here."),
 ) -> None:
     """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines."""
+    from det_lab.slurm.conf import render_all, setup_notes
+
     lab, slurm = load(ctx)
     files = render_all(slurm, lab)
     if out is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.table import Table
 
 from det_lab import templates
 from det_lab.cli.common import console, fail
@@ -17,6 +16,8 @@ app = typer.Typer(help="List the experiment templates and copy one (or the noteb
 @app.command("list")
 def list_() -> None:
     """List the templates by name, with where their files are."""
+    from rich.table import Table
+
     try:
         found = templates.available()
         notebooks = templates.notebooks_dir()

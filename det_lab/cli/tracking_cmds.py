@@ -7,8 +7,6 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.common import console, fail, state
-from det_lab.tracking.journal import JournalError
-from det_lab.tracking.sync import find_journals, pending, sync
 
 app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals.", no_args_is_help=True)
 
@@ -16,6 +14,8 @@ app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals
 @app.command("status")
 def status_(ctx: typer.Context) -> None:
     """List tracking journals on the volume that still hold undelivered events."""
+    from det_lab.tracking.sync import find_journals, pending
+
     settings = state(ctx).settings
     waiting = [(j, pending(j)) for j in find_journals(settings)]
     waiting = [(j, n) for j, n in waiting if n]
@@ -27,6 +27,9 @@ def status_(ctx: typer.Context) -> None:
 @app.command("sync")
 def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="One journal (default: all waiting).")) -> None:
     """Deliver events that runs journaled while their tracker was down."""
+    from det_lab.tracking.journal import JournalError
+    from det_lab.tracking.sync import find_journals, pending, sync
+
     settings = state(ctx).settings
     journals = [journal] if journal else [j for j in find_journals(settings) if pending(j)]
     if journal and not (journal / "run.json").is_file():

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import typer
-import yaml
 
 from det_lab.cli.common import console, fail, state
-from det_lab.settings import ENV_OVERRIDES, LabConfigError, check_writable
-from det_lab.volume import VolumeLayout, init_volume
 
 
 def init(
@@ -15,6 +12,9 @@ def init(
     demo: bool = typer.Option(False, "--demo", help="Also publish the demo datasets (vla-demo, 3dgs-demo)."),
 ) -> None:
     """Create the shared volume's layout under the data root (idempotent, never overwrites)."""
+    from det_lab.settings import LabConfigError, check_writable
+    from det_lab.volume import VolumeLayout, init_volume
+
     settings = state(ctx).settings
     layout = VolumeLayout.from_settings(settings)
     try:
@@ -53,6 +53,10 @@ def init(
 
 def config(ctx: typer.Context) -> None:
     """Print the effective lab configuration and where it came from."""
+    import yaml
+
+    from det_lab.settings import ENV_OVERRIDES
+
     settings = state(ctx).settings
     console.print(f"# source: {settings.source or 'built-in defaults'}", highlight=False)
     console.print(f"# environment overrides: {', '.join(ENV_OVERRIDES)}", highlight=False)
