@@ -43,13 +43,15 @@ def wheel(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def venv(wheel, tmp_path_factory) -> Path:
     """A new venv with the wheel installed. Its dependencies are borrowed from the test venv
-    (a .pth line, so the install takes seconds); det_lab itself must come from the wheel."""
+    (a .pth line, so the install takes seconds); det_lab itself must come from the wheel. The
+    venv gets no pip of its own (ensurepip takes longer than the rest): the test venv's pip
+    installs into it with --python."""
     root = tmp_path_factory.mktemp("venv")
-    _sh(sys.executable, "-m", "venv", root)
+    _sh(sys.executable, "-m", "venv", "--without-pip", root)
     purelib = Path(_sh(root / "bin/python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])").stdout.strip())
     (purelib / "zz_borrowed_deps.pth").write_text(
         f"import site; site.addsitedir({sysconfig.get_paths()['purelib']!r})\n")
-    _sh(root / "bin/python", "-m", "pip", "install", "--no-deps", "--no-index", "-q", wheel)
+    _sh(sys.executable, "-m", "pip", "--python", root / "bin/python", "install", "--no-deps", "--no-index", "-q", wheel)
     return root
 
 
@@ -74,6 +76,9 @@ def test_the_wheel_carries_templates_and_notebooks(wheel):
 
 def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, wheel, tmp_path):
     env, bin_ = _env(tmp_path), venv / "bin"
+    # the demo datasets are published while the templates are listed and copied (nothing shared)
+    init = subprocess.Popen([bin_ / "det-lab", "init", "--demo"], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     imported = _sh(bin_ / "python", "-c", "import det_lab; print(det_lab.__file__)", cwd=tmp_path, env=env).stdout
     assert Path(imported.strip()).is_relative_to(venv), f"det_lab came from {imported}, not the wheel"
     packaged = Path(imported.strip()).parent
@@ -94,7 +99,8 @@ def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, wheel, tmp_
     assert again.returncode == 2 and again.stderr.startswith("error: ") and "already exists" in again.stderr
     assert not (tmp_path / "my-splats/const.yaml").read_text().startswith("# A tiny VLA")
 
-    _sh(bin_ / "det-lab", "init", "--demo", cwd=tmp_path, env=env)
+    init_out, _ = init.communicate(timeout=600)
+    assert init.returncode == 0, init_out
     run = _sh(bin_ / "det-lab", "run", "vla", "--local", "--set", "data.det_lab.max_length.batches=20",
               "--set", "min_validation_period.batches=10", "--set", "min_checkpoint_period.batches=10",
               cwd=tmp_path, env=env).stdout
