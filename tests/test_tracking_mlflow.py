@@ -8,16 +8,26 @@ import sys
 import textwrap
 import time
 
+import pytest
 from mlflow.tracking import MlflowClient
 
 from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_backend import RUN_KEY_TAG, MlflowBackend
+from tests.aim_fixtures import Relay
 
 
 def run_info(key: str) -> RunInfo:
     return RunInfo(key=key, name=f"vla exp 7 trial {key}", experiment="det_lab-tests",
                    tags={"det.experiment_id": "7", "det.trial_id": key, "dataset.commit": "abc123"})
+
+
+@pytest.fixture
+def tracker(mlflow_server):
+    """The server as clients reach it: ``stop()`` cuts them off (an outage), ``start()`` ends that."""
+    relay = Relay(mlflow_server.port).start()
+    yield relay
+    relay.stop()
 
 
 def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, float]]:
@@ -51,33 +61,28 @@ def test_every_group_params_tags_and_checkpoints_arrive(mlflow_server, tmp_path)
     assert json.loads(tags["det_lab.checkpoint.ckpt-200"]) == {"step": 200, "dataset.md5": "d41d8cd9.dir"}
 
 
-def test_outage_loses_nothing_and_training_never_waits(mlflow_server, tmp_path):
-    server = mlflow_server
-    try:
-        mirror = Mirror(run_info("outage"), {"mlflow": server.uri}, tmp_path / "journal", interval=0.2)
-        for step in range(1, 101):
-            mirror.log_metrics("training", step, {"loss": float(step)})
-        assert mirror.flush(timeout=30)
-        server.stop()  # the tracking server dies mid-training
-        start = time.monotonic()
-        for step in range(101, 2101):
-            mirror.log_metrics("training", step, {"loss": float(step)})
-        logging_time = time.monotonic() - start
-        assert mirror.flush(timeout=5) is False  # durable in the journal, not delivered
-        assert mirror.journal.pending("mlflow") >= 2000
-        server.start()
-        deadline = time.monotonic() + 90
-        while not mirror.flush(timeout=5) and time.monotonic() < deadline:
-            pass
-        summary = mirror.close()
-        assert summary.complete, str(summary)
-        steps = history(MlflowClient(server.uri), summary.backends[0].run_id, "training/loss")
-        assert steps == [(s, float(s)) for s in range(1, 2101)]  # all of them, once each
-        # 2000 calls while the server was down did not wait on the network
-        assert logging_time < 10, logging_time
-    finally:
-        if server.proc is None:
-            server.start()
+def test_outage_loses_nothing_and_training_never_waits(tracker, tmp_path):
+    mirror = Mirror(run_info("outage"), {"mlflow": tracker.uri}, tmp_path / "journal", interval=0.2)
+    for step in range(1, 101):
+        mirror.log_metrics("training", step, {"loss": float(step)})
+    assert mirror.flush(timeout=30)
+    tracker.stop()  # the tracking server goes away mid-training
+    start = time.monotonic()
+    for step in range(101, 2101):
+        mirror.log_metrics("training", step, {"loss": float(step)})
+    logging_time = time.monotonic() - start
+    assert mirror.flush(timeout=5) is False  # durable in the journal, not delivered
+    assert mirror.journal.pending("mlflow") >= 2000
+    tracker.start()
+    deadline = time.monotonic() + 90
+    while not mirror.flush(timeout=5) and time.monotonic() < deadline:
+        pass
+    summary = mirror.close()
+    assert summary.complete, str(summary)
+    steps = history(MlflowClient(tracker.uri), summary.backends[0].run_id, "training/loss")
+    assert steps == [(s, float(s)) for s in range(1, 2101)]  # all of them, once each
+    # 2000 calls while the server was down did not wait on the network
+    assert logging_time < 10, logging_time
 
 
 CHILD = textwrap.dedent("""
@@ -93,34 +98,27 @@ CHILD = textwrap.dedent("""
 """)
 
 
-def test_restarted_process_replays_the_journal_into_the_same_run(mlflow_server, tmp_path):
-    server = mlflow_server
-    server.stop()
+def test_restarted_process_replays_the_journal_into_the_same_run(tracker, tmp_path):
+    tracker.stop()
     journal = tmp_path / "journal"
 
     def child(first: int, last: int) -> str:
-        proc = subprocess.run([sys.executable, "-c", CHILD, server.uri, str(journal), str(first), str(last)],
+        proc = subprocess.run([sys.executable, "-c", CHILD, tracker.uri, str(journal), str(first), str(last)],
                               capture_output=True, text=True, timeout=180)
         assert proc.returncode == 0, proc.stderr
         return proc.stdout + proc.stderr
 
     # process 1 runs while the server is down: it exits with everything journaled, nothing sent
-    try:
-        out = child(1, 500)
-    finally:
-        server.start()
+    out = child(1, 500)
     assert "501 pending" in out, out  # 500 metric events and the run's tags
-    try:
-        out = child(501, 600)  # process 2 (a restarted trial) with the server back
-        assert "pending" not in out, out
-        client = MlflowClient(server.uri)
-        exp = client.get_experiment_by_name("det_lab-tests")
-        runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = 'restart'")
-        assert len(runs) == 1
-        assert history(client, runs[0].info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 601)]
-    finally:
-        if server.proc is None:
-            server.start()
+    tracker.start()
+    out = child(501, 600)  # process 2 (a restarted trial) with the server back
+    assert "pending" not in out, out
+    client = MlflowClient(tracker.uri)
+    exp = client.get_experiment_by_name("det_lab-tests")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = 'restart'")
+    assert len(runs) == 1
+    assert history(client, runs[0].info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 601)]
 
 
 def test_resume_on_another_machine_continues_the_same_run(mlflow_server, tmp_path):
@@ -148,27 +146,25 @@ def test_redelivered_batch_is_not_duplicated(mlflow_server, tmp_path):
     assert history(MlflowClient(mlflow_server.uri), run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
 
 
-def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, mlflow_server):
+def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, tracker):
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume
 
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": tracker.uri})
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     journal = lab.root / "outputs" / "vla" / "tracking-journal" / "left-behind"
-    mlflow_server.stop()
-    try:
-        mirror = Mirror(run_info("left-behind"), {"mlflow": mlflow_server.uri}, journal)
-        for step in range(1, 51):
-            mirror.log_metrics("training", step, {"loss": float(step)})
-        assert mirror.close(timeout=2).backends[0].pending == 51
-        status = lab.cli("tracking", "status")
-        assert "51 events waiting" in status.stdout and str(journal) in status.stdout
-    finally:
-        mlflow_server.start()
+    tracker.stop()
+    mirror = Mirror(run_info("left-behind"), {"mlflow": tracker.uri}, journal, linger=0)  # sync's job, not its sender's
+    for step in range(1, 51):
+        mirror.log_metrics("training", step, {"loss": float(step)})
+    assert mirror.close(timeout=2).backends[0].pending == 51
+    status = lab.cli("tracking", "status")
+    assert "51 events waiting" in status.stdout and str(journal) in status.stdout
+    tracker.start()
     proc = lab.cli("tracking", "sync")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(tracker.uri)
     exp = client.get_experiment_by_name("det_lab-tests")
     (run,) = client.search_runs([exp.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = 'left-behind'")
     assert history(client, run.info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
