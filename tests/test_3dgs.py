@@ -22,7 +22,6 @@ import yaml
 from det_lab.data.demo import make_3dgs_demo
 from det_lab.scenes import ColmapError, load_scene, read_model
 from tests.conftest import VENV_BIN, Lab
-from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "experiment_templates" / "gaussian_splatting"
 VALIDATE = Path(__file__).resolve().parents[2] / "shared/tools/validate-expconf"
@@ -429,24 +428,6 @@ def test_train_step_learns_with_either_strategy(strategy: str) -> None:
 # --- end to end -----------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def lab3d(tmp_path_factory: pytest.TempPathFactory):
-    """A lab with the demo datasets, tracking to a real MLflow server."""
-    import os
-
-    tmp = tmp_path_factory.mktemp("lab3d")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
-    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg"), COLUMNS="200")
-    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    server = MlflowServer(tmp / "mlflow", free_port()).start()
-    try:
-        lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": server.uri})
-        lab.cli("init", "--demo", check=True)
-        yield lab, server
-    finally:
-        server.stop()
-
-
 def _config(tmp: Path, name: str, iterations: int, **hparams) -> Path:
     conf = yaml.safe_load((TEMPLATE / "const.yaml").read_text())
     conf["name"] = name
@@ -463,59 +444,21 @@ def _runs(lab: Lab) -> set[Path]:
     return set((lab.root / "outputs/3dgs/local-runs").glob("gaussian_splatting-*"))
 
 
-def test_local_run_end_to_end(lab3d, tmp_path: Path) -> None:
+def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab, shared_mlflow_server,
+                                                                     tmp_path: Path) -> None:
+    """One run end to end: Ctrl-C after its first checkpoint, ``--resume`` to the end; validations,
+    renders, checkpoints (the final one with a PLY) and MLflow across both processes."""
     from mlflow.tracking import MlflowClient
 
-    lab, server = lab3d
-    cfg = _config(tmp_path, "e2e", 150, validate_every=50, checkpoint_every=75, densify_from=20,
+    lab, total = demo_lab, 150
+    cfg = _config(tmp_path, "e2e", total, validate_every=50, checkpoint_every=25, densify_from=20,
                   densify_until=120, densify_every=20, opacity_reset_every=1000, sh_degree_every=60)
-    before = _runs(lab)
-    proc = lab.cli("run", "3dgs", "--local", "--config", str(cfg))
-    (run_dir,) = _runs(lab) - before
-    assert proc.returncode == 0, proc.stdout + proc.stderr + (run_dir / "train.log").read_text()[-3000:]
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    val = [x for x in lines if x["group"] == "validation"]
-    assert [x["step"] for x in val] == [50, 100, 150]
-    first, last = val[0]["metrics"], val[-1]["metrics"]
-    assert last["psnr"] > first["psnr"] + 2.0 and last["psnr"] > 25, val
-    assert 0 < last["ssim"] <= 1 and last["num_gaussians"] > 0 and "lpips" not in last
-    train = [x["metrics"] for x in lines if x["group"] == "training"]
-    assert {"loss", "num_gaussians", "iter_ms", "its_per_s", "peak_rss_mb"} <= train[-1].keys()
-    assert "LPIPS unavailable" in (run_dir / "train.log").read_text()
-    # renders of both held-out views at every validation, on disk and in MLflow
-    for step in (50, 100, 150):
-        for view in ("view_000", "view_008"):
-            png = run_dir / "renders" / f"step_{step:08d}" / f"{view}.png"
-            assert png.is_file() and png.stat().st_size > 0
-    summary = json.loads((run_dir / "tracking-summary.json").read_text())
-    (backend,) = summary["backends"]
-    assert backend["pending"] == 0
-    client = MlflowClient(server.uri)
-    steps = [a.path for a in client.list_artifacts(backend["run_id"], "renders/view_008")]
-    assert steps == [f"renders/view_008/step_{s:08d}" for s in (50, 100, 150)], steps
-    assert client.list_artifacts(backend["run_id"], steps[-1])[0].path.endswith(".png")
-    history = sorted((m.step, m.value) for m in client.get_metric_history(backend["run_id"], "validation/psnr"))
-    assert [s for s, _ in history] == [50, 100, 150]
-    # checkpoints on the volume, the final one with a PLY
-    state = json.loads((run_dir / "run.json").read_text())
-    assert [c["step"] for c in state["checkpoints"]] == [75, 150]
-    final = lab.root / "checkpoints/3dgs" / state["latest_checkpoint"]
-    assert (final / "gaussians.pt").is_file() and (final / "point_cloud.ply").is_file()
-    meta = json.loads((final / "gaussians.json").read_text())
-    assert meta["num_gaussians"] == last["num_gaussians"] and meta["steps_completed"] == 150
-
-
-def test_preempt_and_resume_continue_with_the_same_gaussians(lab3d, tmp_path: Path) -> None:
-    lab, _ = lab3d
-    total = 120
-    cfg = _config(tmp_path, "resume", total, validate_every=1000, checkpoint_every=15, densify_from=5,
-                  densify_until=100, densify_every=5, opacity_reset_every=1000)
     before = _runs(lab)
     proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", "3dgs", "--local", "--config", str(cfg)],
                             env=lab.env, cwd=lab.config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = None
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 300
         while time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.3)
             new = _runs(lab) - before
@@ -531,24 +474,53 @@ def test_preempt_and_resume_continue_with_the_same_gaussians(lab3d, tmp_path: Pa
             proc.kill()
             proc.wait()
     state = json.loads((run_dir / "run.json").read_text())
-    step = state["latest_checkpoint_step"]
-    assert 15 <= step < total, out
+    stop = state["latest_checkpoint_step"]
+    assert 25 <= stop < total, out
     assert "preempted at step" in (run_dir / "train.log").read_text()
     ckpt = lab.root / "checkpoints/3dgs" / state["latest_checkpoint"]
     count = json.loads((ckpt / "gaussians.json").read_text())["num_gaussians"]
     saved = torch.load(ckpt / "gaussians.pt", weights_only=False)
-    assert saved["step"] == step and saved["model"]["params"]["means"].shape[0] == count
+    assert saved["step"] == stop and saved["model"]["params"]["means"].shape[0] == count
     seen = len((run_dir / "metrics.jsonl").read_text().splitlines())
 
     resumed = lab.cli("run", "3dgs", "--local", "--resume")
     log = (run_dir / "train.log").read_text()
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr + log[-3000:]
-    assert f"resumed from checkpoint {state['latest_checkpoint']} at step {step} with {count} Gaussians" in log
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()[seen:]]
-    steps = [x["step"] for x in lines if x["group"] == "training"]
-    assert steps and min(steps) > step and max(steps) == total
-    final = json.loads((run_dir / "run.json").read_text())
-    assert final["latest_checkpoint_step"] == total and final["resumed"] == 1
+    assert f"resumed from checkpoint {state['latest_checkpoint']} at step {stop} with {count} Gaussians" in log
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    after = [x["step"] for x in lines[seen:] if x["group"] == "training"]
+    assert after and min(after) > stop and max(after) == total  # continued, not restarted
+
+    val = [x for x in lines if x["group"] == "validation"]
+    assert [x["step"] for x in val] == [50, 100, 150]
+    first, last = val[0]["metrics"], val[-1]["metrics"]
+    assert last["psnr"] > first["psnr"] + 2.0 and last["psnr"] > 25, val
+    assert 0 < last["ssim"] <= 1 and last["num_gaussians"] > 0 and "lpips" not in last
+    train = [x["metrics"] for x in lines if x["group"] == "training"]
+    assert {"loss", "num_gaussians", "iter_ms", "its_per_s", "peak_rss_mb"} <= train[-1].keys()
+    assert "LPIPS unavailable" in log
+    # renders of both held-out views at every validation, on disk and in MLflow
+    for step in (50, 100, 150):
+        for view in ("view_000", "view_008"):
+            png = run_dir / "renders" / f"step_{step:08d}" / f"{view}.png"
+            assert png.is_file() and png.stat().st_size > 0
+    summary = json.loads((run_dir / "tracking-summary.json").read_text())
+    (backend,) = summary["backends"]
+    assert backend["pending"] == 0
+    client = MlflowClient(shared_mlflow_server.uri)
+    steps = [a.path for a in client.list_artifacts(backend["run_id"], "renders/view_008")]
+    assert steps == [f"renders/view_008/step_{s:08d}" for s in (50, 100, 150)], steps
+    assert client.list_artifacts(backend["run_id"], steps[-1])[0].path.endswith(".png")
+    history = sorted((m.step, m.value) for m in client.get_metric_history(backend["run_id"], "validation/psnr"))
+    assert [s for s, _ in history] == [50, 100, 150]
+    # checkpoints on the volume: every 25 iterations and at the Ctrl-C; the final one with a PLY
+    final_state = json.loads((run_dir / "run.json").read_text())
+    assert final_state["latest_checkpoint_step"] == total and final_state["resumed"] == 1
+    assert [c["step"] for c in final_state["checkpoints"]] == sorted({*range(25, total + 1, 25), stop})
+    final = lab.root / "checkpoints/3dgs" / final_state["latest_checkpoint"]
+    assert (final / "gaussians.pt").is_file() and (final / "point_cloud.ply").is_file()
+    meta = json.loads((final / "gaussians.json").read_text())
+    assert meta["num_gaussians"] == last["num_gaussians"] and meta["steps_completed"] == total
 
 
 @pytest.mark.skipif(not VALIDATE.exists(), reason="shared/tools/validate-expconf is not in this checkout")
