@@ -11,12 +11,15 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import yaml
 
+from det_lab.data.publish import publish_demos
 from det_lab.settings import load_settings
+from det_lab.volume import init_volume
 from tests.conftest import VENV_BIN, Lab, publish_tiny_data
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,8 +38,13 @@ def runs_lab(tmp_path_factory) -> Lab:
                DET_LAB_TEMPLATES=str(TEMPLATES), HOME=str(tmp / "home"))
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "none"})
-    lab.cli("init", "--demo", check=True)
-    publish_tiny_data(load_settings(lab.config, env={}), tmp)
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    # what `det-lab init --demo` publishes (its own tests run the command), beside the tiny set:
+    # each dataset is its own git + DVC repo, published at once
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(publish_demos, settings), pool.submit(publish_tiny_data, settings, tmp)]:
+            done.result()
     return lab
 
 
@@ -77,10 +85,6 @@ def start(lab: Lab, *args: str, env: dict[str, str] | None = None) -> subprocess
     return proc
 
 
-def runs_of(lab: Lab, project: str, prefix: str) -> set[Path]:
-    return {p.parent for p in (lab.root / "outputs" / project / "local-runs").glob(f"{prefix}-*/run.json")}
-
-
 def state(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
@@ -117,14 +121,21 @@ def wait_for(cond, proc: subprocess.Popen | None, timeout: float, what: str):
     raise AssertionError(f"not within {timeout} s: {what}")
 
 
-def new_run(lab: Lab, project: str, prefix: str, before: set[Path], proc: subprocess.Popen) -> Path:
-    return wait_for(lambda: next(iter(runs_of(lab, project, prefix) - before), None), proc, 120, "a run directory")
-
-
-def checkpoint_after(run_dir: Path, step: int, proc: subprocess.Popen) -> int:
-    """Wait until the run has a checkpoint past ``step``; returns its step."""
-    return wait_for(lambda: (state(run_dir).get("latest_checkpoint_step") or 0) > step
-                    and state(run_dir)["latest_checkpoint_step"], proc, 180, f"a checkpoint after step {step}")
+def at_first_checkpoint(runs: dict, act) -> None:
+    """Call ``act(key)`` for each run (``key: (det-lab run, run directory)``) as soon as it has a
+    checkpoint, watching all of them at once."""
+    pending = dict(runs)
+    deadline = time.monotonic() + 180
+    while pending:
+        for key, (proc, run_dir) in list(pending.items()):
+            if (run_dir / "run.json").exists() and (state(run_dir).get("latest_checkpoint_step") or 0) > 0:
+                act(key)
+                del pending[key]
+            elif proc.poll() is not None:
+                raise AssertionError(f"det-lab run ({key}) ended before a checkpoint:\n{proc.communicate()[0]}")
+        if pending and time.monotonic() > deadline:
+            raise AssertionError(f"no checkpoint within 180 s: {sorted(pending)}")
+        time.sleep(0.2)
 
 
 def children(pid: int) -> list[int]:
@@ -181,64 +192,57 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     """SIGHUP, SIGTERM and kill -9 of det-lab run each stop the trial at a checkpoint with the
     outcome recorded; a second trainer is refused while one lives (here, or on another host whose
     heartbeat is fresh); locks of a dead trainer or an expired heartbeat are broken with a warning;
-    after a crash mid-checkpoint the replayed steps are recorded once."""
+    after a crash mid-checkpoint, and after each stop, the replayed steps are recorded once."""
     lab = runs_lab
     total = 360  # 0.04 s a batch: long enough for each stop to land mid-run on a loaded machine
     config = write_config(lab, TINY / "const.yaml", "tiny-long", lambda c: (
         c["hyperparameters"].update(sleep_per_batch=0.04), c.update(min_checkpoint_period={"batches": 20}),
         c["data"]["det_lab"].update(max_length={"batches": total})))
     host = socket.gethostname()
-    before = runs_of(lab, "vla", "tiny")
+    runs = lab.root / "outputs" / "vla" / "local-runs"
 
-    # 1. SIGHUP (the terminal closed): the trial checkpoints and stops; det-lab records "stopped"
-    proc = start(lab, str(TINY), "--config", str(config))
-    run_dir = new_run(lab, "vla", "tiny", before, proc)
-    name = run_dir.name
-    checkpoint_after(run_dir, 0, proc)
-    trial = trial_of(proc)
-    # a second trainer on the same run is refused, naming the live one, and changes nothing
+    # 1-3. three runs at once, det-lab run stopped by SIGTERM (a scheduler stopping the job), kill -9
+    # and SIGHUP (the terminal closed): each trial checkpoints and stops with "stopped" recorded
+    # (after kill -9, by the orphaned trial itself)
+    procs = {how: start(lab, str(TINY), "--config", str(config), "--run", f"tiny-{how}") for how in ("term", "kill", "hup")}
+    trials = {}
+
+    def stop(how: str) -> None:
+        trials[how] = trial_of(procs[how])
+        if how == "term":
+            procs[how].send_signal(signal.SIGTERM)
+        elif how == "kill":
+            procs[how].kill()
+
+    at_first_checkpoint({how: (proc, runs / f"tiny-{how}") for how, proc in procs.items()}, stop)
+    # a second trainer on a run is refused, naming the live one, and changes nothing
+    name = "tiny-hup"
     second = lab.cli("run", str(TINY), "--local", "--resume", "--run", name)
     assert second.returncode == 2, second.stdout + second.stderr
-    assert f"run {name} is still training as pid {trial} on host {host}" in second.stderr
-    assert len(second.stderr.strip().splitlines()) == 1 and "resumed" not in state(run_dir)
-    proc.send_signal(signal.SIGHUP)
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    wait_for(lambda: not alive(trial), None, 10, "the trial to end")
-    st = state(run_dir)
-    assert st["status"] == "stopped" and st["latest_checkpoint_step"] >= trained_to(run_dir), st
+    assert f"run {name} is still training as pid {trials['hup']} on host {host}" in second.stderr
+    assert len(second.stderr.strip().splitlines()) == 1 and "resumed" not in state(runs / name)
+    procs["hup"].send_signal(signal.SIGHUP)
+    for how, proc in procs.items():
+        out = finish(proc)
+        assert proc.returncode == (-signal.SIGKILL if how == "kill" else 0), out
+        wait_for(lambda: not alive(trials[how]), None, 30, f"the trial stopped by {how} to end")
+        run_dir = runs / f"tiny-{how}"
+        st = state(run_dir)
+        assert trained_to(run_dir) < total, f"the trial ({how}) trained on to the end"
+        assert st["status"] == "stopped" and st["latest_checkpoint_step"] >= trained_to(run_dir), (how, st)
+        assert not (run_dir / LOCK_NAME).exists()
 
-    # 2. SIGTERM (a scheduler stopping the job): the same
-    mark = st["latest_checkpoint_step"]
-    proc = start(lab, str(TINY), "--resume", "--run", name)
-    checkpoint_after(run_dir, mark, proc)
-    trial = trial_of(proc)
-    proc.send_signal(signal.SIGTERM)
-    out = finish(proc)
-    assert proc.returncode == 0, out
-    wait_for(lambda: not alive(trial), None, 10, "the trial to end")
-    st = state(run_dir)
-    assert st["status"] == "stopped" and st["latest_checkpoint_step"] >= trained_to(run_dir), st
-
-    # 3. kill -9 of det-lab run: the trial notices, checkpoints, stops and records the outcome itself
-    mark = st["latest_checkpoint_step"]
-    proc = start(lab, str(TINY), "--resume", "--run", name)
-    checkpoint_after(run_dir, mark, proc)
-    trial = trial_of(proc)
-    proc.kill()
-    finish(proc)
-    wait_for(lambda: not alive(trial), None, 30, "the orphaned trial to stop")
-    st = state(run_dir)
-    assert trained_to(run_dir) < total, "the trial trained on without its det-lab run"
-    assert st["status"] == "stopped" and st["latest_checkpoint_step"] >= trained_to(run_dir), st
-    assert not (run_dir / LOCK_NAME).exists()
-
-    # 4. a trainer on another host (another UTS namespace): refused while its heartbeat is fresh ...
+    # 4. a trainer on another host (another UTS namespace) holds the killed run: refused while its
+    # heartbeat is fresh ...
+    name, run_dir = "tiny-kill", runs / "tiny-kill"
     holder = subprocess.Popen(["unshare", "--uts", "sh", "-c", f'hostname node-b && exec "{sys.executable}" -c "$0" "$1"',
                                FOREIGN_HOLDER, str(run_dir / LOCK_NAME)], stdout=subprocess.PIPE, text=True, env=lab.env)
     try:
         foreign_pid = int(holder.stdout.readline())
-        time.sleep(4)  # longer than its 3 s lifetime: only its heartbeat keeps it
+        # its claim, made to look long expired, is renewed by its heartbeat alone
+        old = time.time() - 120
+        os.utime(run_dir / LOCK_NAME, (old, old))
+        wait_for(lambda: (run_dir / LOCK_NAME).stat().st_mtime > time.time(), None, 30, "the holder's heartbeat")
         refused = lab.cli("run", str(TINY), "--local", "--resume", "--run", name)
         assert refused.returncode == 2, refused.stdout + refused.stderr
         assert f"run {name} is still training as pid {foreign_pid} on host node-b" in refused.stderr
@@ -248,7 +252,7 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     # ... and broken with a warning once its heartbeat stopped long enough ago
     old = time.time() - 120
     os.utime(run_dir / LOCK_NAME, (old, old))
-    mark = st["latest_checkpoint_step"]
+    mark = state(run_dir)["latest_checkpoint_step"]
     proc = start(lab, str(TINY), "--resume", "--run", name, env={"TINY_CRASH_ON_CHECKPOINT": "1"})
     out = finish(proc, 180)  # 5. the trial dies while writing its next checkpoint, holding the lock
     assert proc.returncode != 0, out
@@ -257,84 +261,81 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     assert st["status"] == "failed" and st["latest_checkpoint_step"] == mark
     assert trained_to(run_dir) > mark  # steps past the checkpoint were reported: the resume replays them
 
-    # 6. the dead trainer's lock (this host) is broken with a warning; the run finishes; every
-    # (group, key, step) is recorded once although steps were replayed after each stop and the crash
+    # 6. the dead trainer's lock (this host) is broken with a warning; each run resumes to the end
+    # (together); every (group, key, step) is recorded once although steps were replayed after
+    # the stop (and the crash)
     dead = int((run_dir / LOCK_NAME).read_text().split("|")[2])  # <lock path>|host|pid|random: flufl.lock's claim
-    proc = start(lab, str(TINY), "--resume", "--run", name)
-    out = finish(proc, 180)
-    assert proc.returncode == 0, out
-    assert "stale" in out and f"pid {dead} on host {host}" in out, out
-    st = state(run_dir)
-    assert st["status"] == "finished" and st["resumed"] == 4 and st["latest_checkpoint_step"] == total
-    assert sorted(series(run_dir, "training")) == list(range(10, total + 1, 10))
-    assert sorted(series(run_dir, "validation")) == list(range(20, total + 1, 20))
-    assert not (run_dir / LOCK_NAME).exists()
+    procs = {how: start(lab, str(TINY), "--resume", "--run", f"tiny-{how}") for how in ("kill", "term", "hup")}
+    for how, proc in procs.items():
+        out = finish(proc, 180)
+        assert proc.returncode == 0, out
+        assert ("stale" in out and f"pid {dead} on host {host}" in out) == (how == "kill"), out
+        run_dir = runs / f"tiny-{how}"
+        st = state(run_dir)
+        assert st["status"] == "finished" and st["latest_checkpoint_step"] == total, (how, st)
+        assert st["resumed"] == (2 if how == "kill" else 1), (how, st)
+        assert sorted(series(run_dir, "training")) == list(range(10, total + 1, 10)), how
+        assert sorted(series(run_dir, "validation")) == list(range(20, total + 1, 20)), how
+        assert not (run_dir / LOCK_NAME).exists()
 
 
 # --- exact resume on the templates ---------------------------------------------------------------
 
 
-def _compare_stopped_with_straight(lab: Lab, template: str, project: str, prefix: str, base: Path, edit) -> tuple[Path, Path]:
-    """Train a config uninterrupted and, at the same time, a copy Ctrl-C'd once it has a
-    checkpoint and then resumed to the end; returns both run directories."""
-    straight_cfg = write_config(lab, base, f"{prefix}-straight", edit)
-    stopped_cfg = write_config(lab, base, f"{prefix}-stopped", edit)
-    before = runs_of(lab, project, prefix)
-    straight = start(lab, template, "--config", str(straight_cfg))
-    proc = start(lab, template, "--config", str(stopped_cfg))
-    run_dir = wait_for(lambda: next((d for d in runs_of(lab, project, prefix) - before
-                                     if state(d)["config"] == str(stopped_cfg)), None), proc, 120, "a run directory")
-    checkpoint_after(run_dir, 0, proc)
-    proc.send_signal(signal.SIGINT)
-    out = finish(proc)
-    assert proc.returncode == 0 and state(run_dir)["status"] == "stopped", out
-    assert state(run_dir)["latest_checkpoint_step"] < state(run_dir)["max_length"]
-    resumed = lab.cli("run", template, "--local", "--resume", "--run", run_dir.name)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr + (run_dir / "train.log").read_text()[-3000:]
-    assert state(run_dir)["status"] == "finished"
-    out = finish(straight, 300)
-    assert straight.returncode == 0, out
-    (straight_dir,) = (d for d in runs_of(lab, project, prefix) - before if d != run_dir)
-    return straight_dir, run_dir
-
-
 def _assert_same(straight: Path, resumed: Path, group: str, keys: tuple[str, ...]) -> None:
     expected, got = series(straight, group), series(resumed, group)
-    assert sorted(got) == sorted(expected)
+    assert sorted(got) == sorted(expected), (straight.name, group)
     for step in expected:
         for key in keys:
-            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (group, key, step)
+            assert got[step][key] == pytest.approx(expected[step][key], rel=1e-6, abs=1e-9), (straight.name, group, key, step)
 
 
-def test_vla_resume_is_exact_with_a_shuffled_loader_and_dropout(runs_lab):
-    """The VLA template shuffles its training data (12 batches an epoch here) and uses dropout: a
-    run stopped after its first checkpoint and resumed reports the uninterrupted run's losses."""
-
-    def tiny(c):
-        c["hyperparameters"].update(global_batch_size=32, warmup_batches=4)
-        c["hyperparameters"]["model"].update(d_model=32, n_layers=1, dropout=0.1)
-        c["min_validation_period"] = {"batches": 10}
-        c["min_checkpoint_period"] = {"batches": 10}
-        c["data"]["det_lab"].update(max_length={"batches": 40}, reporting_batches=2)
-
-    straight, resumed = _compare_stopped_with_straight(runs_lab, "vla", "vla", "vla",
-                                                       TEMPLATES / "vla" / "const.yaml", tiny)
-    _assert_same(straight, resumed, "training", ("loss", "action_l1"))
-    _assert_same(straight, resumed, "validation", ("val_loss", "val_action_l1"))
+def _tiny_vla(c: dict) -> None:
+    c["hyperparameters"].update(global_batch_size=32, warmup_batches=4)
+    c["hyperparameters"]["model"].update(d_model=32, n_layers=1, dropout=0.1)
+    c["min_validation_period"] = {"batches": 10}
+    c["min_checkpoint_period"] = {"batches": 10}
+    c["data"]["det_lab"].update(max_length={"batches": 40}, reporting_batches=2)
 
 
-def test_3dgs_resume_is_exact(runs_lab):
-    """3DGS reports the mean loss of a window of iterations: a stop inside a window must not
-    shorten it. A stopped-and-resumed run reports what an uninterrupted one does."""
+def _tiny_3dgs(c: dict) -> None:
+    hp = c["hyperparameters"]
+    hp.update(validate_every=20, checkpoint_every=10, densify_from=5, densify_until=30, densify_every=5,
+              opacity_reset_every=1000, sh_degree_every=15)
+    hp["densify"]["max_gaussians"] = 400
+    c["data"]["det_lab"].update(max_length={"batches": 40}, reporting_batches=5)
 
-    def tiny(c):
-        hp = c["hyperparameters"]
-        hp.update(validate_every=20, checkpoint_every=10, densify_from=5, densify_until=30, densify_every=5,
-                  opacity_reset_every=1000, sh_degree_every=15)
-        hp["densify"]["max_gaussians"] = 400
-        c["data"]["det_lab"].update(max_length={"batches": 40}, reporting_batches=5)
 
-    straight, resumed = _compare_stopped_with_straight(runs_lab, "3dgs", "3dgs", "gaussian_splatting",
-                                                       TEMPLATES / "gaussian_splatting" / "const.yaml", tiny)
-    _assert_same(straight, resumed, "training", ("loss", "num_gaussians", "sh_degree", "lr_means"))
-    _assert_same(straight, resumed, "validation", ("psnr", "ssim", "num_gaussians"))
+def test_vla_and_3dgs_runs_stopped_and_resumed_report_what_uninterrupted_runs_do(runs_lab):
+    """The VLA template shuffles its training data (12 batches an epoch here) and uses dropout;
+    3DGS reports the mean loss of a window of iterations, which a stop inside the window must not
+    shorten. For each, a run Ctrl-C'd after its first checkpoint and resumed reports the losses of
+    an uninterrupted run of the same config (all four trained at once)."""
+    lab = runs_lab
+    templates = {"vla": ("vla", "vla", _tiny_vla, ("loss", "action_l1"), ("val_loss", "val_action_l1")),
+                 "3dgs": ("3dgs", "gaussian_splatting", _tiny_3dgs, ("loss", "num_gaussians", "sh_degree", "lr_means"),
+                          ("psnr", "ssim", "num_gaussians"))}
+    procs, dirs = {}, {}
+    for t, (project, folder, edit, _, _) in templates.items():
+        for kind in ("straight", "stopped"):
+            cfg = write_config(lab, TEMPLATES / folder / "const.yaml", f"{t}-{kind}", edit)
+            procs[t, kind] = start(lab, t, "--config", str(cfg), "--run", f"{t}-{kind}")
+            dirs[t, kind] = lab.root / "outputs" / project / "local-runs" / f"{t}-{kind}"
+    at_first_checkpoint({t: (procs[t, "stopped"], dirs[t, "stopped"]) for t in templates},
+                        lambda t: procs[t, "stopped"].send_signal(signal.SIGINT))
+    for t in templates:
+        proc, run_dir = procs[t, "stopped"], dirs[t, "stopped"]
+        out = finish(proc)
+        assert proc.returncode == 0 and state(run_dir)["status"] == "stopped", out
+        assert state(run_dir)["latest_checkpoint_step"] < state(run_dir)["max_length"]
+        procs[t, "resumed"] = start(lab, t, "--resume", "--run", run_dir.name)
+    for t in templates:
+        out = finish(procs[t, "resumed"], 300)
+        run_dir = dirs[t, "stopped"]
+        assert procs[t, "resumed"].returncode == 0, out + (run_dir / "train.log").read_text()[-3000:]
+        assert state(run_dir)["status"] == "finished"
+        out = finish(procs[t, "straight"], 300)
+        assert procs[t, "straight"].returncode == 0, out
+    for t, (_, _, _, train_keys, val_keys) in templates.items():
+        _assert_same(dirs[t, "straight"], dirs[t, "stopped"], "training", train_keys)
+        _assert_same(dirs[t, "straight"], dirs[t, "stopped"], "validation", val_keys)
