@@ -3,7 +3,8 @@
 The configuration is det_lab's own rendering (:mod:`det_lab.slurm.conf`) of a node with two fake
 GPUs (character devices with no driver behind them), with test-only keys on top: private ports,
 paths and munge socket, root as the Slurm user, and short scheduler and requeue delays.
-Import the fixture into a test module: ``from tests.slurm_cluster import slurm_cluster``.
+Import the fixtures into a test module: ``from tests.slurm_cluster import slurm_cluster, slurm_volume``
+(the session's data root for ``make_slurm_lab``).
 """
 
 from __future__ import annotations
@@ -202,25 +203,36 @@ def slurm_cluster(tmp_path_factory) -> Iterator[SlurmCluster]:
     cluster.stop()
 
 
-def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, with_vla: bool) -> Lab:
-    """A lab whose commands reach ``cluster``: tiny regression data (and the VLA demo) published,
-    MLflow at ``mlflow_uri`` (None: no tracking)."""
-    import tempfile
+@pytest.fixture(scope="session")
+def slurm_volume(tmp_path_factory) -> Path:
+    """One data root for the Slurm test modules, the VLA demo and the tiny regression data published
+    on it; the two publishes run side by side (each is mostly DVC starting up)."""
+    from concurrent.futures import ThreadPoolExecutor
 
     from det_lab.data.demo import make_vla_demo
     from det_lab.data.publish import publish_directory
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume
 
+    tmp = tmp_path_factory.mktemp("slurm-volume")
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env={})
+    lab.write_config()
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    with ThreadPoolExecutor(2) as pool:
+        vla = pool.submit(lambda: publish_directory(settings, "vla", "vla-demo", make_vla_demo(tmp / "vla-demo"),
+                                                    "VLA demo"))
+        publish_tiny_data(settings, tmp)
+        vla.result()
+    return lab.root
+
+
+def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, root: Path) -> Lab:
+    """A lab on the data root ``root`` (see ``slurm_volume``) whose commands reach ``cluster``, MLflow at
+    ``mlflow_uri`` (None: no tracking)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
                DET_LAB_TEMPLATES=str(REPO / "experiment_templates"), **cluster.env)
-    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab = Lab(root=root, config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_uri} if mlflow_uri else {"backend": "none"})
-    settings = load_settings(lab.config, env={})
-    init_volume(settings)
-    if with_vla:
-        with tempfile.TemporaryDirectory() as src:
-            publish_directory(settings, "vla", "vla-demo", make_vla_demo(Path(src) / "vla-demo"), "VLA demo")
-    publish_tiny_data(settings, tmp)
     return lab

@@ -21,7 +21,7 @@ import yaml
 from spython.main.parse.parsers import SingularityParser
 
 from tests.conftest import VENV_BIN, Lab
-from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster  # noqa: F401 (fixture)
+from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster, slurm_volume  # noqa: F401 (fixtures)
 
 # runs the command after the image, as apptainer exec would inside it, after noting its argv
 FAKE_APPTAINER = f"""#!{sys.executable}
@@ -39,9 +39,9 @@ os.execv(command[0] if os.path.isabs(command[0]) else "/usr/bin/env", command if
 
 
 @pytest.fixture(scope="module")
-def jobs_lab(tmp_path_factory, slurm_cluster: SlurmCluster) -> Lab:
-    """The tiny data published; no tracking (the image and CI jobs are about what runs where)."""
-    return make_slurm_lab(tmp_path_factory.mktemp("slurm-jobs"), None, slurm_cluster, with_vla=False)
+def jobs_lab(tmp_path_factory, slurm_cluster: SlurmCluster, slurm_volume: Path) -> Lab:
+    """A lab on the Slurm tests' volume; no tracking (the image and CI jobs are about what runs where)."""
+    return make_slurm_lab(tmp_path_factory.mktemp("slurm-jobs"), None, slurm_cluster, slurm_volume)
 
 
 def test_definition_files_parse_as_apptainer_recipes(lab, tmp_path):
@@ -117,29 +117,37 @@ def test_an_image_that_was_not_built_is_one_line_before_anything_is_created(jobs
     assert set((jobs_lab.root / "outputs" / "vla" / "slurm-runs").glob("*")) == before
 
 
-def _check_gitlab_schema(path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.gitlab-ci", str(path)],
-                          capture_output=True, text=True, timeout=120)
+def _start(argv: list[str], out: Path, **kwargs) -> subprocess.Popen:
+    """``argv`` in the background, its stdout and stderr into ``out``.stdout/.stderr (no pipe to fill up)."""
+    with open(out.with_suffix(".stdout"), "w") as stdout, open(out.with_suffix(".stderr"), "w") as stderr:
+        return subprocess.Popen(argv, stdout=stdout, stderr=stderr, text=True, **kwargs)
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> tuple[int, str, str]:
+    proc.wait(timeout=300)
+    return proc.returncode, out.with_suffix(".stdout").read_text(), out.with_suffix(".stderr").read_text()
 
 
 def test_gitlab_ci_template_passes_gitlab_schema_and_its_jobs_run_on_slurm(jobs_lab, tmp_path):
     ci = tmp_path / ".gitlab-ci.yml"
     jobs_lab.cli("slurm", "ci", "--out", str(ci), "--template", str(TINY), "--lab-config", str(jobs_lab.config),
                  check=True)
-    checked = _check_gitlab_schema(ci)
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    broken = tmp_path / "broken.yml"
     pipeline = yaml.safe_load(ci.read_text())
+    broken = tmp_path / "broken.yml"
     broken.write_text(yaml.safe_dump({**pipeline, "train": {**pipeline["train"], "when": "sometimes"}}))
-    assert _check_gitlab_schema(broken).returncode != 0  # the schema does reject a bad job
-
     variables = {k: v["value"] if isinstance(v, dict) else v for k, v in pipeline["variables"].items()}
     env = {**jobs_lab.env, **variables, "PATH": f"{VENV_BIN}:{os.environ['PATH']}"}  # the runner has det-lab
+    # the schema checks and the two jobs (each job's script in one shell, as the runner runs it) side by side
+    started = {name: _start([str(VENV_BIN / "check-jsonschema"), "--builtin-schema", "vendor.gitlab-ci", str(path)],
+                            tmp_path / name) for name, path in (("schema-ok", ci), ("schema-broken", broken))}
+    started |= {job: _start(["bash", "-ec", "\n".join(pipeline[job]["script"])], tmp_path / job, env=env, cwd=TINY)
+                for job in ("smoke", "train")}
+    code, out, err = _finish(started["schema-ok"], tmp_path / "schema-ok")
+    assert code == 0, out + err
+    assert _finish(started["schema-broken"], tmp_path / "schema-broken")[0] != 0  # the schema rejects a bad job
     for job in ("smoke", "train"):
-        for line in pipeline[job]["script"]:
-            proc = subprocess.run(["bash", "-ec", line], env=env, cwd=TINY, capture_output=True, text=True,
-                                  timeout=300)
-            assert proc.returncode == 0, f"{job}: {line}\n{proc.stdout}\n{proc.stderr}"
-        assert ("Slurm job" in proc.stdout) == (job == "train"), proc.stdout
-        assert "finished" in proc.stdout
+        code, out, err = _finish(started[job], tmp_path / job)
+        assert code == 0, f"{job}: {pipeline[job]['script']}\n{out}\n{err}"
+        assert ("Slurm job" in out) == (job == "train"), out
+        assert "finished" in out
     assert shlex.split(pipeline["train-determined"]["script"][0])[:3] == ["det", "experiment", "create"]

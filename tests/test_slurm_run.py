@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,17 +17,17 @@ import yaml
 from mlflow.tracking import MlflowClient
 
 from tests.conftest import VENV_BIN, Lab
-from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster  # noqa: F401 (fixture)
+from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster, slurm_volume  # noqa: F401 (fixtures)
 
 #: short runs: enough steps for a checkpoint, a validation and a requeue in between
-VLA_SETS = ["--set", "data.det_lab.max_length.batches=60", "--set", "min_validation_period.batches=30",
-            "--set", "min_checkpoint_period.batches=30", "--set", "data.det_lab.reporting_batches=10"]
+VLA_SETS = ["--set", "data.det_lab.max_length.batches=20", "--set", "min_validation_period.batches=10",
+            "--set", "min_checkpoint_period.batches=10", "--set", "data.det_lab.reporting_batches=5"]
 
 
 @pytest.fixture(scope="module")
-def slurm_lab(tmp_path_factory, mlflow_server, slurm_cluster: SlurmCluster) -> Lab:
-    """A lab on the test Slurm: the VLA demo and the tiny regression data published, MLflow tracking."""
-    return make_slurm_lab(tmp_path_factory.mktemp("slurm-lab"), mlflow_server.uri, slurm_cluster, with_vla=True)
+def slurm_lab(tmp_path_factory, mlflow_server, slurm_cluster: SlurmCluster, slurm_volume: Path) -> Lab:
+    """A lab on the test Slurm and its volume (the VLA demo and the tiny regression data), MLflow tracking."""
+    return make_slurm_lab(tmp_path_factory.mktemp("slurm-lab"), mlflow_server.uri, slurm_cluster, slurm_volume)
 
 
 def runs_dir(lab: Lab) -> Path:
@@ -59,10 +61,10 @@ def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_named(slurm_lab, proc.stdout)
     st = state(run_dir)
-    assert st["kind"] == "slurm" and st["status"] == "finished" and st["latest_checkpoint_step"] == 60
+    assert st["kind"] == "slurm" and st["status"] == "finished" and st["latest_checkpoint_step"] == 20
     job_id, (attempt,) = st["slurm"]["job_id"], st["slurm"]["attempts"]
     assert attempt["job_id"] == job_id and attempt["node"].startswith("detlab")
-    assert f"finished at step 60 of 60" in proc.stdout
+    assert "finished at step 20 of 20" in proc.stdout
 
     # the job script is a plain sbatch file in the run's directory, asking for the pre-limit signal
     script = (run_dir / "job.sbatch").read_text()
@@ -86,13 +88,13 @@ def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "validation/val_action_l1"))
     assert history == sorted((s, pytest.approx(v)) for s, v in metrics(run_dir, "validation", "val_action_l1").items())
 
-    listed = [json.loads(x) for x in slurm_lab.cli("runs", "list", "--json", check=True).stdout.splitlines()]
-    row = next(r for r in listed if r["name"] == run_dir.name)
-    assert (row["kind"], row["status"], row["step"]) == ("slurm", "finished", 60) and f"job {job_id}" in row["where"]
-    shown = slurm_lab.cli("runs", "show", run_dir.name, check=True).stdout
+    with ThreadPoolExecutor(3) as pool:  # three independent commands, side by side
+        listed, shown, tail = pool.map(lambda args: slurm_lab.cli("runs", *args, check=True).stdout, [
+            ("list", "--json"), ("show", run_dir.name), ("tail", run_dir.name, "-n", "200")])
+    row = next(r for r in map(json.loads, listed.splitlines()) if r["name"] == run_dir.name)
+    assert (row["kind"], row["status"], row["step"]) == ("slurm", "finished", 20) and f"job {job_id}" in row["where"]
     assert "slurm job" in shown and str(run_dir / "job.sbatch") in shown
-    tail = slurm_lab.cli("runs", "tail", run_dir.name, "-n", "200", check=True).stdout
-    assert "report_validation_metrics(steps_completed=60" in tail
+    assert "report_validation_metrics(steps_completed=20" in tail
 
 
 def _tiny_config(lab: Lab, name: str, **changes) -> Path:
@@ -108,19 +110,23 @@ def _tiny_config(lab: Lab, name: str, **changes) -> Path:
     return path
 
 
+def _submit_waiting(lab: Lab, *args: str) -> tuple[subprocess.Popen, Path]:
+    """``det-lab run <tiny> --slurm --wait`` in the background, once its run has a Slurm job: the process and
+    the run's directory."""
+    before = set(runs_dir(lab).glob("*"))
+    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", *args, "--wait"], env=lab.env,
+                            cwd=lab.config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_until(lambda: any((p / "run.json").is_file() and state(p).get("slurm", {}).get("job_id")
+                           for p in set(runs_dir(lab).glob("*")) - before), 120, "the submission")
+    (run_dir,) = set(runs_dir(lab).glob("*")) - before
+    return proc, run_dir
+
+
 def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
     config = _tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
-    straight = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), "--wait")
-    assert straight.returncode == 0, straight.stdout + straight.stderr
-    straight_dir = run_named(slurm_lab, straight.stdout)
-
-    before = set(runs_dir(slurm_lab).iterdir())
-    waiting = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--config", str(config),
-                                "--wait"], env=slurm_lab.env, cwd=slurm_lab.config.parent, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    wait_until(lambda: any((p / "run.json").is_file() and state(p).get("slurm", {}).get("job_id")
-                           for p in set(runs_dir(slurm_lab).iterdir()) - before), 120, "the submission")
-    (run_dir,) = set(runs_dir(slurm_lab).iterdir()) - before
+    # the uninterrupted run trains beside the one that is requeued (the node has two GPUs)
+    straight, straight_dir = _submit_waiting(slurm_lab, "--config", str(config))
+    waiting, run_dir = _submit_waiting(slurm_lab, "--config", str(config))
     job_id = state(run_dir)["slurm"]["job_id"]
 
     def past_first_checkpoint() -> bool:
@@ -133,6 +139,8 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab,
     slurm_cluster.run("scancel", "--signal=USR1", "--batch", job_id)
     out, _ = waiting.communicate(timeout=300)  # --wait follows the job through its requeue
     assert waiting.returncode == 0, out
+    straight_out, _ = straight.communicate(timeout=300)
+    assert straight.returncode == 0 and "finished at step 80 of 80" in straight_out, straight_out
     assert f"job {job_id}: PENDING" in out and "(restart 1)" in out and "finished at step 80 of 80" in out
 
     st = state(run_dir)
@@ -229,7 +237,20 @@ def test_without_sbatch_the_error_says_how_to_get_it(slurm_lab):
     _nothing_created(slurm_lab, before)
 
 
-def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab):
+@pytest.fixture(scope="module")
+def crashing_run(slurm_lab) -> Iterator[subprocess.Popen]:
+    """``det-lab run <tiny> --slurm --wait`` in the background, its trial dying while it writes its first
+    checkpoint; started by the cancel test, so that the two jobs share the node."""
+    env = {**slurm_lab.env, "TINY_CRASH_ON_CHECKPOINT": "1"}
+    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--wait"], env=env,
+                            cwd=slurm_lab.config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab, crashing_run):
     config = _tiny_config(slurm_lab, "tiny-slower.yaml", **{"hyperparameters.sleep_per_batch": 0.2})
     proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), check=True)
     run_dir = run_named(slurm_lab, proc.stdout)
@@ -243,12 +264,10 @@ def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab):
     assert again.returncode == 2 and "already ended (stopped)" in again.stderr
 
 
-def test_wait_exits_with_the_trials_failure(slurm_lab):
-    env = {**slurm_lab.env, "TINY_CRASH_ON_CHECKPOINT": "1"}  # the trial dies writing its first checkpoint
-    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--wait"], env=env,
-                          cwd=slurm_lab.config.parent, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 3, proc.stdout  # the trial's own exit code
-    run_dir = run_named(slurm_lab, proc.stdout)
+def test_wait_exits_with_the_trials_failure(slurm_lab, crashing_run):
+    out, _ = crashing_run.communicate(timeout=300)
+    assert crashing_run.returncode == 3, out  # the trial's own exit code
+    run_dir = run_named(slurm_lab, out)
     st = state(run_dir)
     assert st["status"] == "failed" and st["exit_code"] == 3 and not st.get("latest_checkpoint")
-    assert "failed at step 40 of 80" in proc.stdout and "determined.core" in proc.stdout  # the log's last lines
+    assert "failed at step 40 of 80" in out and "determined.core" in out  # the log's last lines
