@@ -155,7 +155,7 @@ def test_nth_pull_on_another_machine_reuses_the_volume_without_the_remote(toy):
 
 
 def test_nth_pull_is_fast_and_independent_of_file_count(toy):
-    volume, spec = toy.settings, toy.spec
+    volume = toy.settings
     data.pull("toy", volume)
     spec = data.load_registry(volume)["toy"]
     pinned = DatasetSpec(spec.project, spec.repo, spec.path, rev=data.pull("toy", volume).identity.commit)
