@@ -19,15 +19,17 @@ import nbformat
 import pytest
 import yaml
 from nbclient.exceptions import CellExecutionError
+from typer.testing import CliRunner
 
 from det_lab import notebook as nb
+from det_lab.cli.app import app
 from det_lab.tracking.mlflow_server import MlflowServer, free_port
 from tests.conftest import VENV_BIN
 
 REPO = Path(__file__).resolve().parents[1]
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 TEMPLATE = REPO / "experiment_templates" / "vla"
-BATCHES = 80
+BATCHES = 40
 
 
 @dataclass
@@ -39,12 +41,13 @@ class NotebookLab:
     aim_repo: Path
 
     def short_config(self, name: str, **hparams: float) -> Path:
-        """const.yaml trained for BATCHES batches, validated every 20 and checkpointed every 40."""
+        """const.yaml trained for BATCHES batches of 8, validated every 10 and checkpointed every 20:
+        four validations, two checkpoints, eight training points, in as few batches as that takes."""
         conf = yaml.safe_load((TEMPLATE / "const.yaml").read_text())
-        conf["data"]["det_lab"].update(max_length={"batches": BATCHES}, reporting_batches=10)
-        conf["min_validation_period"] = {"batches": 20}
-        conf["min_checkpoint_period"] = {"batches": 40}
-        conf["hyperparameters"].update(hparams)
+        conf["data"]["det_lab"].update(max_length={"batches": BATCHES}, reporting_batches=5)
+        conf["min_validation_period"] = {"batches": 10}
+        conf["min_checkpoint_period"] = {"batches": 20}
+        conf["hyperparameters"].update(global_batch_size=8, **hparams)
         path = self.tmp / f"{name}.yaml"
         path.write_text(yaml.safe_dump(conf))
         return path
@@ -101,9 +104,8 @@ def lab(tmp_path_factory, mlflow_server) -> NotebookLab:
     env.update(DET_LAB_CONFIG=str(config), XDG_CONFIG_HOME=str(tmp / "xdg-config"),
                XDG_DATA_HOME=str(tmp / "xdg-data"), MPLBACKEND="Agg", COLUMNS="200",
                DET_LAB_TEMPLATES=str(REPO / "experiment_templates"))
-    proc = subprocess.run([str(VENV_BIN / "det-lab"), "init", "--demo"], env=env, cwd=tmp,
-                          capture_output=True, text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = CliRunner().invoke(app, ["init", "--demo"], env=env)  # in this process: no interpreter start
+    assert proc.exit_code == 0, proc.output
     return NotebookLab(tmp / "data", tmp, env, mlflow_server.uri, aim_repo)
 
 
@@ -146,7 +148,7 @@ def test_submit_notebook_trains_locally_and_fetches_the_best_checkpoint(lab, sub
     val = [m for m in metrics if m["group"] == "validation"]
     curves = _figure(out, "01_training_curves")
     assert curves["mode"] == "local" and curves["location"] == str(run_dir)
-    assert curves["validation/val_action_l1"]["steps"] == [m["step"] for m in val] == [20, 40, 60, 80]
+    assert curves["validation/val_action_l1"]["steps"] == [m["step"] for m in val] == [10, 20, 30, 40]
     assert curves["validation/val_action_l1"]["values"] == pytest.approx([m["metrics"]["val_action_l1"] for m in val])
     assert curves["training/loss"]["steps"][-1] == BATCHES and len(curves["training/loss"]["values"]) == 8
 
