@@ -4,9 +4,11 @@ a real MLflow server, resume, preemption and a crash mid-checkpoint."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -18,42 +20,44 @@ from mlflow.tracking import MlflowClient
 from det_lab.settings import load_settings
 from det_lab.trials.local import entry_command, sample_hparams
 from det_lab.volume import init_volume
-from tests.conftest import VENV_BIN, publish_tiny_data
+from tests.conftest import VENV_BIN, Lab, publish_tiny_data
+from tests.test_bad_inputs import cli as cli_in_process
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 
 
-@pytest.fixture
-def tiny_lab(lab, mlflow_server, tmp_path):
-    """A lab with the tiny regression dataset published and MLflow as its tracker."""
+@pytest.fixture(scope="module")
+def tiny_lab(mlflow_server, tmp_path_factory) -> Lab:
+    """One lab for the module, the tiny regression dataset published and MLflow as its tracker;
+    each test names its own runs (``--run``) and finds them by name."""
+    tmp = tmp_path_factory.mktemp("tiny-lab")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               HOME=str(tmp / "home"))  # to see that nothing lands in ~/.local/share/determined
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
-    lab.env["HOME"] = str(tmp_path / "home")  # to see that nothing lands in ~/.local/share/determined
     settings = load_settings(lab.config, env={})
     init_volume(settings)
-    publish_tiny_data(settings, tmp_path)
+    publish_tiny_data(settings, tmp)
     lab.mlflow = MlflowClient(mlflow_server.uri)
     return lab
 
 
-def config_copy(lab, name: str, **det_lab_overrides) -> Path:
-    """A copy of a fixture config with some data.det_lab or hyperparameter values changed."""
-    import yaml
-
-    conf = yaml.safe_load((TINY / name).read_text())
-    for key, value in det_lab_overrides.items():
-        if key in conf["hyperparameters"]:
-            conf["hyperparameters"][key] = value
-        else:
-            conf["data"]["det_lab"][key] = value
-    path = lab.config.parent / f"edited-{name}"
-    path.write_text(yaml.safe_dump(conf))
-    return path
+@pytest.fixture(scope="module")
+def straight_run(tiny_lab) -> tuple[subprocess.CompletedProcess, Path]:
+    """A PyTorchTrial run of const.yaml from start to end, never interrupted: ``det-lab`` output, run dir."""
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--run", "straight")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc, runs_dir(tiny_lab) / "straight"
 
 
-def only_run(lab) -> Path:
-    runs = list((lab.root / "outputs" / "vla" / "local-runs").iterdir())
-    assert len(runs) == 1, runs
-    return runs[0]
+def runs_dir(lab) -> Path:
+    return lab.root / "outputs" / "vla" / "local-runs"
+
+
+def checkpoint_dirs(lab) -> set[Path]:
+    root = lab.root / "checkpoints" / "vla"
+    return set(root.iterdir()) if root.is_dir() else set()
 
 
 def run_state(run_dir: Path) -> dict:
@@ -76,19 +80,27 @@ def history(lab, run_id: str, key: str) -> list[int]:
     return [m.step for m in sorted(lab.mlflow.get_metric_history(run_id, key), key=lambda m: m.step)]
 
 
+def held_after(lab: Lab, batches: int) -> Lab:
+    """``lab`` whose tiny trials wait after ``batches`` until stopped (tests/fixtures/tiny/hold.py):
+    a Ctrl-C sent once that checkpoint is recorded lands mid-run, on any machine."""
+    return dataclasses.replace(lab, env={**lab.env, "TINY_HOLD_AFTER": str(batches)})
+
+
 def start_run(lab, *args: str) -> subprocess.Popen:
+    """``det-lab run`` in the background, taking Ctrl-C as in a terminal (even where pytest itself
+    was started with SIGINT ignored, as a shell's background job is)."""
     return subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", *args], env=lab.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
-def wait_for_step(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeout: float = 120,
-                  exclude: tuple[Path, ...] = ()) -> Path:
+def wait_for_step(runs: Path, pattern: str, step: int, proc: subprocess.Popen, timeout: float = 240) -> Path:
+    """The run directory matching ``pattern`` under ``runs`` once it records a checkpoint at ``step``
+    or later (the trial still running)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.communicate()
-        for run_dir in run_dir_parent.glob("*/"):
-            if run_dir in exclude or run_dir.name.startswith("."):
-                continue
+        for run_dir in runs.glob(pattern):
             ckpts = run_state(run_dir).get("checkpoints", []) if (run_dir / "run.json").exists() else []
             if any(c["step"] >= step for c in ckpts):
                 return run_dir
@@ -96,12 +108,10 @@ def wait_for_step(run_dir_parent: Path, step: int, proc: subprocess.Popen, timeo
     raise AssertionError(f"no checkpoint at step {step} within {timeout} s")
 
 
-def test_pytorch_trial_end_to_end(tiny_lab):
+def test_pytorch_trial_end_to_end(tiny_lab, straight_run):
     assert importlib.util.find_spec("tensorboard") is None  # the harness's report path must not need it
-    proc = tiny_lab.cli("run", str(TINY), "--local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc, run_dir = straight_run
     assert "finished" in proc.stdout
-    run_dir = only_run(tiny_lab)
     state = run_state(run_dir)
 
     # checkpoints on the data root, not in ~/.local/share/determined, every min_checkpoint_period
@@ -134,16 +144,17 @@ def test_pytorch_trial_end_to_end(tiny_lab):
     assert run.info.status == "FINISHED"
 
 
-def test_preempt_then_resume_continues_same_step_and_tracker_run(tiny_lab):
-    config = config_copy(tiny_lab, "const.yaml", sleep_per_batch=0.05)
-    proc = start_run(tiny_lab, "--config", str(config))
-    run_dir = wait_for_step(tiny_lab.root / "outputs" / "vla" / "local-runs", 20, proc)
+def test_preempt_then_resume_continues_same_step_tracker_run_and_losses(tiny_lab, straight_run):
+    """Ctrl-C checkpoints and stops; ``--resume`` (the latest run) goes on from that step in the
+    same tracker run and, same seed, reports exactly the losses of the uninterrupted run."""
+    proc = start_run(held_after(tiny_lab, 40))  # named tiny-<time>-<random>: the other tests name theirs
+    run_dir = wait_for_step(runs_dir(tiny_lab), "tiny-*", 40, proc)
     proc.send_signal(signal.SIGINT)  # Ctrl-C: det-lab asks the trial to checkpoint and stop
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out + err
     stopped = run_state(run_dir)
     stop_step = stopped["latest_checkpoint_step"]
-    assert 20 <= stop_step < 80
+    assert 40 < stop_step < 80  # a checkpoint of its own on the way out
     first_run = mlflow_run(tiny_lab, run_dir)
     assert first_run.info.status == "KILLED"
 
@@ -158,42 +169,27 @@ def test_preempt_then_resume_continues_same_step_and_tracker_run(tiny_lab):
     assert steps == sorted(set(steps)) and steps[-1] == 80
     assert [s for s, _ in metrics(run_dir, "training") if s > stop_step][0] <= stop_step + 10
 
-
-def test_resumed_losses_equal_an_uninterrupted_run(tiny_lab):
-    """Same seed: a run stopped midway and resumed reports exactly the uninterrupted losses."""
-    proc = tiny_lab.cli("run", str(TINY), "--local")
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    (straight,) = list((tiny_lab.root / "outputs" / "vla" / "local-runs").iterdir())
-
-    config = config_copy(tiny_lab, "const.yaml", sleep_per_batch=0.05)
-    proc = start_run(tiny_lab, "--config", str(config))
-    stopped = wait_for_step(straight.parent, 20, proc, exclude=(straight,))
-    proc.send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
-    assert run_state(stopped)["latest_checkpoint_step"] < 80
-    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume", "--run", stopped.name)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-
+    _, straight = straight_run
     for group, key in (("training", "loss"), ("validation", "val_loss")):
         expected = {s: m[key] for s, m in metrics(straight, group)}
-        got = {s: m[key] for s, m in metrics(stopped, group)}
+        got = {s: m[key] for s, m in metrics(run_dir, group)}
         assert sorted(got) == sorted(expected)
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 def test_crash_while_writing_a_checkpoint_keeps_the_previous_one_latest(tiny_lab):
-    tiny_lab.env["TINY_CRASH_ON_CHECKPOINT"] = "2"  # dies after writing checkpoint 2's files
-    proc = tiny_lab.cli("run", str(TINY), "--local")
+    crashing = dataclasses.replace(tiny_lab, env={**tiny_lab.env, "TINY_CRASH_ON_CHECKPOINT": "2"})
+    before = checkpoint_dirs(tiny_lab)
+    proc = crashing.cli("run", str(TINY), "--local", "--run", "crashed")  # dies after writing checkpoint 2's files
     assert proc.returncode != 0
     assert "resume with" in proc.stdout  # the summary says how to go on
-    run_dir = only_run(tiny_lab)
+    run_dir = runs_dir(tiny_lab) / "crashed"
     state = run_state(run_dir)
     assert state["latest_checkpoint_step"] == 40 and len(state["checkpoints"]) == 1
-    written = [p for p in (tiny_lab.root / "checkpoints" / "vla").iterdir()]
-    assert len(written) == 2  # the half-finished checkpoint exists but is not taken as latest
+    # the half-finished checkpoint exists but is not taken as latest
+    assert len(checkpoint_dirs(tiny_lab) - before) == 2
 
-    del tiny_lab.env["TINY_CRASH_ON_CHECKPOINT"]
-    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume")
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume", "--run", "crashed")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert run_state(run_dir)["latest_checkpoint_step"] == 80
     # the crashed run validated at 20..80; the resumed one redoes 60 and 80 from checkpoint 40,
@@ -202,16 +198,15 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one_latest(tiny_lab
 
 
 def test_core_api_loop_with_preemption_and_resume(tiny_lab):
-    config = config_copy(tiny_lab, "core.yaml", sleep_per_step=0.05)
-    proc = start_run(tiny_lab, "--config", str(config))
-    run_dir = wait_for_step(tiny_lab.root / "outputs" / "vla" / "local-runs", 20, proc)
+    proc = start_run(held_after(tiny_lab, 20), "--config", str(TINY / "core.yaml"), "--run", "core")
+    run_dir = wait_for_step(runs_dir(tiny_lab), "core", 20, proc)
     proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, out + err
     stop_step = run_state(run_dir)["latest_checkpoint_step"]
-    assert 20 <= stop_step < 60
+    assert 20 < stop_step < 60
 
-    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume")
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--resume", "--run", "core")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     state = run_state(run_dir)
     assert state["latest_checkpoint_step"] == 60
@@ -224,28 +219,32 @@ def test_core_api_loop_with_preemption_and_resume(tiny_lab):
 
 
 def test_legacy_module_class_entrypoint(tiny_lab):
-    proc = tiny_lab.cli("run", str(TINY), "--local", "--config", str(TINY / "legacy.yaml"))
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--config", str(TINY / "legacy.yaml"), "--run", "legacy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    state = run_state(only_run(tiny_lab))
+    state = run_state(runs_dir(tiny_lab) / "legacy")
     assert [c["step"] for c in state["checkpoints"]] == [20, 40]
 
 
 def test_bad_input_is_one_line(tiny_lab, tmp_path):
+    never_run = tmp_path / "never-run"  # a template with no local run yet
+    shutil.copytree(TINY, never_run)
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nentrypoint: python3 train.py\ndata: {det_lab: {project: vla}}\n")
+    bad2 = tmp_path / "bad2.yaml"
+    bad2.write_text("name: x\nentrypoint: python3 train.py\ndata: {det_lab: {project: vla, datset: x}}\n")
     cases = [
         (["run", "no-such-template", "--local"], "no template or directory 'no-such-template'"),
         (["run", str(TINY)], "pass --local (here) or --slurm"),
-        (["run", str(TINY), "--local", "--resume"], "no earlier local run"),
+        (["run", str(never_run), "--local", "--resume"], "no earlier local run"),
+        (["run", str(TINY), "--local", "--config", str(bad)], "data.det_lab.max_length is missing"),
+        (["run", str(TINY), "--local", "--config", str(bad2)], "data.det_lab.datset"),
     ]
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("name: x\nentrypoint: python3 train.py\ndata: {det_lab: {project: vla}}\n")
-    cases.append((["run", str(TINY), "--local", "--config", str(bad)], "data.det_lab.max_length is missing"))
-    bad2 = tmp_path / "bad2.yaml"
-    bad2.write_text("name: x\nentrypoint: python3 train.py\ndata: {det_lab: {project: vla, datset: x}}\n")
-    cases.append((["run", str(TINY), "--local", "--config", str(bad2)], "data.det_lab.datset"))
-    for args, message in cases:
-        proc = tiny_lab.cli(*args)
+    # the installed console script once (nothing else reaches stderr); the rest in this process
+    results = [tiny_lab.cli(*cases[0][0])] + [cli_in_process(tiny_lab, *args) for args, _ in cases[1:]]
+    for (args, message), proc in zip(cases, results):
         assert proc.returncode == 2, (args, proc.stdout, proc.stderr)
         assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    assert not (runs_dir(tiny_lab) / "never-run").exists() and not list(runs_dir(tiny_lab).glob(".*"))
 
 
 def test_entrypoints_and_hyperparameter_samples():
