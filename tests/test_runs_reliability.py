@@ -125,7 +125,7 @@ def at_first_checkpoint(runs: dict, act) -> None:
     """Call ``act(key)`` for each run (``key: (det-lab run, run directory)``) as soon as it has a
     checkpoint, watching all of them at once."""
     pending = dict(runs)
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300  # starting several trials on a loaded machine
     while pending:
         for key, (proc, run_dir) in list(pending.items()):
             if (run_dir / "run.json").exists() and (state(run_dir).get("latest_checkpoint_step") or 0) > 0:
@@ -134,7 +134,7 @@ def at_first_checkpoint(runs: dict, act) -> None:
             elif proc.poll() is not None:
                 raise AssertionError(f"det-lab run ({key}) ended before a checkpoint:\n{proc.communicate()[0]}")
         if pending and time.monotonic() > deadline:
-            raise AssertionError(f"no checkpoint within 180 s: {sorted(pending)}")
+            raise AssertionError(f"no checkpoint within 300 s: {sorted(pending)}")
         time.sleep(0.2)
 
 
