@@ -52,8 +52,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
-
 from det_lab.volume import share_tree
 
 
@@ -204,6 +202,7 @@ def intercept(core: Any, hooks: Interceptor) -> None:
 
 def allow_harness_unpickling() -> None:
     """Let ``torch.load(weights_only=True)`` read the numpy state the harness saves (shim 1)."""
+    import numpy as np
     import torch
 
     dtype_classes = [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.float32, np.uint8, np.bool_)]

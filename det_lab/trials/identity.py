@@ -12,8 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import determined as det
-
 from det_lab.tracking import RunInfo
 from det_lab.trials.expconf import project_of
 from det_lab.trials.harness import trial_config
@@ -43,6 +41,8 @@ def tracker_experiment(project: str) -> str:
 
 def read_identity(exp_conf: dict[str, Any] | None = None, hparams: dict[str, Any] | None = None) -> TrialIdentity:
     """The identity of the running trial (see the module docstring)."""
+    import determined as det
+
     info = det.get_cluster_info()
     if info is not None and info.task_type == "TRIAL":
         trial = info.trial
