@@ -244,8 +244,15 @@ def open_record(directory: Path) -> LocalRunRecord:
     return _KINDS.get(kind, LocalRunRecord)(Path(directory))
 
 
+#: the kinds det_lab ships besides "local"; each module registers its kind when imported
+SHIPPED_KINDS = ("slurm",)
+
+
 def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
     """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
+    for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
+        if kind not in _KINDS:
+            importlib.import_module(f"det_lab.{kind}.record")
     dirs = {p.parent for cls in set(_KINDS.values())
             for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
             if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
