@@ -450,9 +450,9 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
     renders, checkpoints (the final one with a PLY) and MLflow across both processes."""
     from mlflow.tracking import MlflowClient
 
-    lab, total = demo_lab, 150
-    cfg = _config(tmp_path, "e2e", total, validate_every=50, checkpoint_every=25, densify_from=20,
-                  densify_until=120, densify_every=20, opacity_reset_every=1000, sh_degree_every=60)
+    lab, total = demo_lab, 120
+    cfg = _config(tmp_path, "e2e", total, validate_every=40, checkpoint_every=20, densify_from=20,
+                  densify_until=100, densify_every=20, opacity_reset_every=1000, sh_degree_every=60)
     before = _runs(lab)
     proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", "3dgs", "--local", "--config", str(cfg)],
                             env=lab.env, cwd=lab.config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -475,7 +475,7 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
             proc.wait()
     state = json.loads((run_dir / "run.json").read_text())
     stop = state["latest_checkpoint_step"]
-    assert 25 <= stop < total, out
+    assert 20 <= stop < total, out
     assert "preempted at step" in (run_dir / "train.log").read_text()
     ckpt = lab.root / "checkpoints/3dgs" / state["latest_checkpoint"]
     count = json.loads((ckpt / "gaussians.json").read_text())["num_gaussians"]
@@ -492,7 +492,7 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
     assert after and min(after) > stop and max(after) == total  # continued, not restarted
 
     val = [x for x in lines if x["group"] == "validation"]
-    assert [x["step"] for x in val] == [50, 100, 150]
+    assert [x["step"] for x in val] == [40, 80, 120]
     first, last = val[0]["metrics"], val[-1]["metrics"]
     assert last["psnr"] > first["psnr"] + 2.0 and last["psnr"] > 25, val
     assert 0 < last["ssim"] <= 1 and last["num_gaussians"] > 0 and "lpips" not in last
@@ -500,7 +500,7 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
     assert {"loss", "num_gaussians", "iter_ms", "its_per_s", "peak_rss_mb"} <= train[-1].keys()
     assert "LPIPS unavailable" in log
     # renders of both held-out views at every validation, on disk and in MLflow
-    for step in (50, 100, 150):
+    for step in (40, 80, 120):
         for view in ("view_000", "view_008"):
             png = run_dir / "renders" / f"step_{step:08d}" / f"{view}.png"
             assert png.is_file() and png.stat().st_size > 0
@@ -509,14 +509,14 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
     assert backend["pending"] == 0
     client = MlflowClient(shared_mlflow_server.uri)
     steps = [a.path for a in client.list_artifacts(backend["run_id"], "renders/view_008")]
-    assert steps == [f"renders/view_008/step_{s:08d}" for s in (50, 100, 150)], steps
+    assert steps == [f"renders/view_008/step_{s:08d}" for s in (40, 80, 120)], steps
     assert client.list_artifacts(backend["run_id"], steps[-1])[0].path.endswith(".png")
     history = sorted((m.step, m.value) for m in client.get_metric_history(backend["run_id"], "validation/psnr"))
-    assert [s for s, _ in history] == [50, 100, 150]
-    # checkpoints on the volume: every 25 iterations and at the Ctrl-C; the final one with a PLY
+    assert [s for s, _ in history] == [40, 80, 120]
+    # checkpoints on the volume: every 20 iterations and at the Ctrl-C; the final one with a PLY
     final_state = json.loads((run_dir / "run.json").read_text())
     assert final_state["latest_checkpoint_step"] == total and final_state["resumed"] == 1
-    assert [c["step"] for c in final_state["checkpoints"]] == sorted({*range(25, total + 1, 25), stop})
+    assert [c["step"] for c in final_state["checkpoints"]] == sorted({*range(20, total + 1, 20), stop})
     final = lab.root / "checkpoints/3dgs" / final_state["latest_checkpoint"]
     assert (final / "gaussians.pt").is_file() and (final / "point_cloud.ply").is_file()
     meta = json.loads((final / "gaussians.json").read_text())

@@ -28,12 +28,12 @@ needs_rsl_rl = pytest.mark.skipif(
 
 
 @pytest.fixture
-def isaac_lab(lab, mlflow_server):
+def isaac_lab(lab, shared_mlflow_server):
     from mlflow.tracking import MlflowClient
 
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": shared_mlflow_server.uri})
     init_volume(load_settings(lab.config, env={}))
-    lab.mlflow = MlflowClient(mlflow_server.uri)
+    lab.mlflow = MlflowClient(shared_mlflow_server.uri)
     return lab
 
 
