@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,12 @@ import yaml
 from tests.aim_fixtures import aim_server  # noqa: F401  (a fixture: a real `aim server` per test)
 
 VENV_BIN = Path(sys.executable).parent
+
+# Tests stop runs with Ctrl-C (SIGINT). A shell without job control starts background commands
+# with SIGINT ignored, and an ignored signal stays ignored across exec: every det-lab the tests
+# start would then sleep through its Ctrl-C. A handler of our own is reset to the default in
+# children, so they get Ctrl-C as a user's terminal gives it.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @dataclass
