@@ -23,9 +23,9 @@ def run_info(key: str) -> RunInfo:
 
 
 @pytest.fixture
-def tracker(mlflow_server):
+def tracker(shared_mlflow_server):
     """The server as clients reach it: ``stop()`` cuts them off (an outage), ``start()`` ends that."""
-    relay = Relay(mlflow_server.port).start()
+    relay = Relay(shared_mlflow_server.port).start()
     yield relay
     relay.stop()
 
@@ -34,8 +34,8 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
     return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
 
 
-def test_every_group_params_tags_and_checkpoints_arrive(mlflow_server, tmp_path):
-    mirror = Mirror(run_info("t1"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.2)
+def test_every_group_params_tags_and_checkpoints_arrive(shared_mlflow_server, tmp_path):
+    mirror = Mirror(run_info("t1"), {"mlflow": shared_mlflow_server.uri}, tmp_path / "journal", interval=0.2)
     mirror.log_params({"lr": 1e-3, "model": {"layers": 4, "width": 256}})
     for step in range(1, 301):
         mirror.log_metrics("training", step, {"loss": 1.0 / step, "grad_norm": step * 0.5, "note": "skipped"})
@@ -47,7 +47,7 @@ def test_every_group_params_tags_and_checkpoints_arrive(mlflow_server, tmp_path)
     assert summary.complete, str(summary)
     assert summary.backends[0].delivered > 300
 
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(shared_mlflow_server.uri)
     run = client.get_run(summary.backends[0].run_id)
     assert run.info.status == "FINISHED" and run.info.run_name == "vla exp 7 trial t1"
     assert history(client, run.info.run_id, "training/loss") == [(s, 1.0 / s) for s in range(1, 301)]
@@ -121,29 +121,30 @@ def test_restarted_process_replays_the_journal_into_the_same_run(tracker, tmp_pa
     assert history(client, runs[0].info.run_id, "training/loss") == [(s, float(s)) for s in range(1, 601)]
 
 
-def test_resume_on_another_machine_continues_the_same_run(mlflow_server, tmp_path):
-    first = Mirror(run_info("resume"), {"mlflow": mlflow_server.uri}, tmp_path / "machine-a")
+def test_resume_on_another_machine_continues_the_same_run(shared_mlflow_server, tmp_path):
+    first = Mirror(run_info("resume"), {"mlflow": shared_mlflow_server.uri}, tmp_path / "machine-a")
     first.log_params({"lr": 0.1})
     first.log_metrics("training", 1, {"loss": 1.0})
     run_id = first.close().backends[0].run_id
     # no journal on machine B: the run is found by its key; the same params are re-sent harmlessly
-    second = Mirror(run_info("resume"), {"mlflow": mlflow_server.uri}, tmp_path / "machine-b")
+    second = Mirror(run_info("resume"), {"mlflow": shared_mlflow_server.uri}, tmp_path / "machine-b")
     second.log_params({"lr": 0.1})
     second.log_metrics("training", 2, {"loss": 0.5})
     summary = second.close()
     assert summary.complete and summary.backends[0].run_id == run_id
-    assert history(MlflowClient(mlflow_server.uri), run_id, "training/loss") == [(1, 1.0), (2, 0.5)]
+    assert history(MlflowClient(shared_mlflow_server.uri), run_id, "training/loss") == [(1, 1.0), (2, 0.5)]
 
 
-def test_redelivered_batch_is_not_duplicated(mlflow_server, tmp_path):
+def test_redelivered_batch_is_not_duplicated(shared_mlflow_server, tmp_path):
     """A crash between delivery and the cursor update replays a batch: MLflow must not double it."""
-    backend = MlflowBackend(mlflow_server.uri)
+    backend = MlflowBackend(shared_mlflow_server.uri)
     run_id = backend.open(run_info("dupes"), None)
     from det_lab.tracking.events import Metrics
     batch = [Metrics("training", s, {"loss": float(s)}, timestamp=1_700_000_000 + s) for s in range(1, 51)]
     backend.deliver(batch)
     backend.deliver(batch)
-    assert history(MlflowClient(mlflow_server.uri), run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
+    client = MlflowClient(shared_mlflow_server.uri)
+    assert history(client, run_id, "training/loss") == [(s, float(s)) for s in range(1, 51)]
 
 
 def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, tracker):
@@ -171,13 +172,13 @@ def test_tracking_sync_delivers_what_a_finished_run_left_behind(lab, tracker):
     assert "0 journal(s)" in lab.cli("tracking", "status").stdout
 
 
-def test_infinite_values_arrive_and_do_not_block_delivery(mlflow_server, tmp_path):
-    mirror = Mirror(run_info("inf"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.2)
+def test_infinite_values_arrive_and_do_not_block_delivery(shared_mlflow_server, tmp_path):
+    mirror = Mirror(run_info("inf"), {"mlflow": shared_mlflow_server.uri}, tmp_path / "journal", interval=0.2)
     mirror.log_metrics("training", 1, {"loss": float("inf"), "ok": 1.0})
     mirror.log_metrics("training", 2, {"loss": 2.0, "ok": 2.0})
     summary = mirror.close()
     assert summary.complete, str(summary)
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(shared_mlflow_server.uri)
     losses = sorted((m.step, m.value) for m in client.get_metric_history(summary.backends[0].run_id, "training/loss"))
     import sys
 

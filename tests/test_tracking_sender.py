@@ -71,9 +71,9 @@ TRIAL = textwrap.dedent("""
 """)
 
 
-def test_sigkill_of_the_trial_delivers_every_journaled_point_once(mlflow_server, tmp_path):
+def test_sigkill_of_the_trial_delivers_every_journaled_point_once(shared_mlflow_server, tmp_path):
     journal = tmp_path / "journal"
-    trial = subprocess.Popen([sys.executable, "-c", TRIAL, mlflow_server.uri, str(journal)], cwd=ROOT,
+    trial = subprocess.Popen([sys.executable, "-c", TRIAL, shared_mlflow_server.uri, str(journal)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
     assert trial.stdout.readline().strip() == "flushed"
     time.sleep(0.5)  # mid-run: more steps journaled since, some only queued
@@ -82,12 +82,13 @@ def test_sigkill_of_the_trial_delivers_every_journaled_point_once(mlflow_server,
     wait_for_senders(journal)  # the sender outlives the trial, delivers, exits
     journaled = journaled_points(journal)
     assert len(journaled) >= 1000 and journaled == [(s, s / 7) for s in range(1, len(journaled) + 1)]
-    assert mlflow_points(mlflow_server.uri, "killed") == journaled  # each exactly once
+    assert mlflow_points(shared_mlflow_server.uri, "killed") == journaled  # each exactly once
     assert Journal(journal).pending("mlflow") == 0
 
 
-def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(mlflow_server, tmp_path):
-    mirror = Mirror(run_info("sender-killed"), {"mlflow": mlflow_server.uri}, tmp_path / "journal", interval=0.05)
+def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(shared_mlflow_server, tmp_path):
+    mirror = Mirror(run_info("sender-killed"), {"mlflow": shared_mlflow_server.uri}, tmp_path / "journal",
+                    interval=0.05)
     sender = mirror._senders[0]
     killed, delivered = 0, 0
     for step in range(1, 2001):  # killed mid-run (restarted by the mirror) and at the end (restarted by close)
@@ -107,28 +108,28 @@ def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(mlflow_server
     summary = mirror.close(timeout=120)
     assert summary.complete, str(summary)
     assert sender.restarts == killed
-    assert mlflow_points(mlflow_server.uri, "sender-killed") == [(s, float(s)) for s in range(1, 2001)]
+    assert mlflow_points(shared_mlflow_server.uri, "sender-killed") == [(s, float(s)) for s in range(1, 2001)]
 
 
-def test_resumed_trial_replaying_steps_keeps_one_value_per_step(mlflow_server, tmp_path):
+def test_resumed_trial_replaying_steps_keeps_one_value_per_step(shared_mlflow_server, tmp_path):
     journal = tmp_path / "journal"
-    first = Mirror(run_info("replayed"), {"mlflow": mlflow_server.uri}, journal)
+    first = Mirror(run_info("replayed"), {"mlflow": shared_mlflow_server.uri}, journal)
     for step in range(1, 101):
         first.log_metrics("training", step, {"loss": float(step)})
         first.log_metrics("validation", step, {"val": 1.0})
     first.close(status="KILLED")  # crashed at step 100, last checkpoint at step 50
-    second = Mirror(run_info("replayed"), {"mlflow": mlflow_server.uri}, journal)
+    second = Mirror(run_info("replayed"), {"mlflow": shared_mlflow_server.uri}, journal)
     for step in range(51, 151):
         second.log_metrics("training", step, {"loss": step + 0.5, "new": 1.0})
     assert second.close().complete
     expected = [(s, float(s)) for s in range(1, 101)] + [(s, s + 0.5) for s in range(101, 151)]
-    assert mlflow_points(mlflow_server.uri, "replayed") == expected
-    assert [s for s, _ in mlflow_points(mlflow_server.uri, "replayed", "training/new")] == list(range(51, 151))
+    assert mlflow_points(shared_mlflow_server.uri, "replayed") == expected
+    assert [s for s, _ in mlflow_points(shared_mlflow_server.uri, "replayed", "training/new")] == list(range(51, 151))
 
 
-def test_sync_delivers_to_the_recorded_tracker_and_a_failed_sync_changes_nothing(lab, mlflow_server, tmp_path):
+def test_sync_delivers_to_the_recorded_tracker_and_a_failed_sync_changes_nothing(lab, shared_mlflow_server, tmp_path):
     journal = lab.root / "outputs" / "vla" / "tracking-journal" / "recorded"
-    tracker = Relay(mlflow_server.port)  # not started: the tracker is down while the run goes on
+    tracker = Relay(shared_mlflow_server.port)  # not started: the tracker is down while the run goes on
     mirror = Mirror(run_info("recorded"), {"mlflow": tracker.uri}, journal, linger=0)
     for step in range(1, 51):
         mirror.log_metrics("training", step, {"loss": float(step)})
@@ -145,7 +146,7 @@ def test_sync_delivers_to_the_recorded_tracker_and_a_failed_sync_changes_nothing
     finally:
         tracker.stop()
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert mlflow_points(mlflow_server.uri, "recorded") == [(s, float(s)) for s in range(1, 51)]
+    assert mlflow_points(shared_mlflow_server.uri, "recorded") == [(s, float(s)) for s in range(1, 51)]
     run_json = journal / "run.json"
     data = json.loads(run_json.read_text())
     del data["targets"]  # a journal that does not say where its events go is refused, not guessed
