@@ -6,7 +6,8 @@ One run, side by side, against a real ``mlflow server`` on 127.0.0.1 and a local
 
   * step time of a loop (one single-threaded matmul per step, sized to take about 1.2 ms and
     10 ms, standing in for a training step) reporting ``--metrics`` metrics every step: no
-    mirror, the MLflow mirror, the Aim mirror, both. Arms are interleaved and repeated
+    mirror, no mirror beside a busy idle-class process ("busy": the floor for any delivery in
+    another process), the MLflow mirror, the Aim mirror, both. Arms are interleaved and repeated
     ``--reps`` times (one mirror per arm, its senders started before the first timed loop); the
     table shows medians, and each arm's ratio to no mirror (≥ 0.99 is "under 1 %");
   * delivery: points per second from the first point to the last one acknowledged by the
@@ -17,8 +18,8 @@ One run, side by side, against a real ``mlflow server`` on 127.0.0.1 and a local
     training process's Python allocations for the mirror (tracemalloc peak), the sender's
     resident memory (peak and growth), the journal on disk.
 
-The MLflow server runs in the idle CPU class like the senders: it stands in for a server on
-another machine, so it must not take the loop's CPU either.
+The MLflow server runs like the senders (idle CPU class, on the last CPU): it stands in for a
+server on another machine, so it must not take the loop's CPU either.
 """
 
 from __future__ import annotations
@@ -41,7 +42,12 @@ from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
-ARMS = ("none", "mlflow", "aim", "both")
+ARMS = ("none", "busy", "mlflow", "aim", "both")
+#: "busy": no mirror, while a busy loop in SCHED_IDLE (the senders' class) runs in another process.
+#: It is the floor any out-of-process delivery has on this machine: what a neighbour that only
+#: takes idle CPU still costs the loop (shared caches, memory bandwidth, a hypervisor's vCPUs).
+BUSY = ("import os\nos.sched_setaffinity(0, {max(os.sched_getaffinity(0))})\n"
+        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True:\n    pass\n")
 
 AIM_CEILING = textwrap.dedent("""
     import sys, time
@@ -87,7 +93,8 @@ def calibrate(target_s: float) -> int:
 
 
 def idle_class(pgid: int) -> None:
-    """Put every thread of process group ``pgid`` (the server and its workers) in SCHED_IDLE."""
+    """Put every thread of process group ``pgid`` (the server and its workers) in SCHED_IDLE, on the
+    CPU the senders keep to."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -96,8 +103,14 @@ def idle_class(pgid: int) -> None:
                 continue
             for task in (proc / "task").iterdir():
                 os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
+                os.sched_setaffinity(int(task.name), {max(os.sched_getaffinity(0))})  # where the senders keep
         except OSError:  # gone meanwhile
             continue
+
+
+def stolen_jiffies() -> int:
+    """CPU time the hypervisor took from this machine's vCPUs so far (``steal`` in /proc/stat)."""
+    return int(Path("/proc/stat").read_text().split("\n", 1)[0].split()[8])
 
 
 def rss_kib(pid: int, field: str) -> int:
@@ -120,7 +133,7 @@ def main() -> None:
         server = MlflowServer(tmp / "mlflow", free_port()).start()
         idle_class(server.proc.pid)
         aim_repo = str(tmp / "aim")
-        mirrors: dict[str, Mirror | None] = {"none": None}
+        mirrors: dict[str, Mirror | None] = {"none": None, "busy": None}
         for arm, targets in (("mlflow", {"mlflow": server.uri}), ("aim", {"aim": aim_repo}),
                              ("both", {"mlflow": server.uri, "aim": aim_repo})):
             mirrors[arm] = Mirror(RunInfo(f"bench-{arm}", arm, "bench"), targets, tmp / f"journal-{arm}")
@@ -150,6 +163,7 @@ def main() -> None:
         ceilings: dict[str, list[float]] = {"mlflow": [], "aim": []}
         results: dict[tuple[float, str], list[float]] = {}
         cpu_times: dict[tuple[float, str], list[float]] = {}
+        steal: dict[tuple[float, str], list[float]] = {}
         delivery: dict[str, list[float]] = {"mlflow": [], "aim": [], "both/mlflow": [], "both/aim": []}
         sizes = {target: calibrate(target) for target in (0.0012, 0.010)}
         loop(200, args.metrics, None, sizes[0.0012])  # warm up
@@ -160,10 +174,16 @@ def main() -> None:
                 steps = max(100, int(args.seconds / target))
                 for arm in random.sample(ARMS, len(ARMS)):
                     m = mirrors[arm]
-                    start = time.perf_counter()
+                    busy = subprocess.Popen([sys.executable, "-c", BUSY]) if arm == "busy" else None
+                    start, stolen = time.perf_counter(), stolen_jiffies()
                     results.setdefault((target, arm), []).append(
                         loop(steps, args.metrics, m, size, next_step[arm], cpu_times.setdefault((target, arm), [])))
+                    steal.setdefault((target, arm), []).append(
+                        (stolen_jiffies() - stolen) / os.sysconf("SC_CLK_TCK") / (time.perf_counter() - start))
                     next_step[arm] += steps
+                    if busy is not None:
+                        busy.kill()
+                        busy.wait()
                     if m is None:
                         continue
                     deadline = time.monotonic() + 900
@@ -202,6 +222,8 @@ def main() -> None:
                  for name in ("mlflow", "aim") if arm in (name, "both")]
         shown = ", ".join(f"{name} {rate:.0f} = {rate / ceiling[name]:.0%}" for name, rate in rates)
         print(f"{arm:<8} {cells[0]}   {cells[1]}   {shown}")
+    print("\nCPU taken by the hypervisor from this machine during the loops (steal, % of one CPU): " + "; ".join(
+        f"{arm} " + " / ".join(f"{statistics.median(steal[(t, arm)]):.1%}" for t in sizes) for arm in ARMS))
     print(f"\nceilings (medians): MLflow back-to-back log_batch {ceiling['mlflow']:.0f} points/s "
           f"({', '.join(f'{r:.0f}' for r in ceilings['mlflow'])}); Aim back-to-back Run.track from a separate "
           f"process {ceiling['aim']:.0f} points/s ({', '.join(f'{r:.0f}' for r in ceilings['aim'])})")

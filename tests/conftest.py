@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.aim_fixtures import aim_server  # noqa: F401  (a fixture: a real `aim server` per test)
+from tests.aim_fixtures import aim_server  # noqa: F401  (a fixture: a real `aim server` per module)
 
 VENV_BIN = Path(sys.executable).parent
 

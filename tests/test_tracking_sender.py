@@ -101,6 +101,8 @@ def test_killed_sender_is_restarted_and_nothing_is_lost_or_doubled(shared_mlflow
             delivered = mirror.journal.cursor("mlflow").seq
             # every sender, restarted ones too, only takes CPU time the training loop leaves
             assert os.sched_getscheduler(sender.proc.pid) == os.SCHED_IDLE
+            mine = sorted(os.sched_getaffinity(0))  # and keeps off the loop's CPUs where it can
+            assert os.sched_getaffinity(sender.proc.pid) == ({mine[-1]} if len(mine) > 1 else set(mine))
             os.kill(sender.proc.pid, signal.SIGKILL)
             sender.proc.wait()
             killed += 1
@@ -230,3 +232,16 @@ def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path):
     finally:
         if serve.poll() is None:
             serve.kill()
+
+
+def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
+    # Aim closes its storage in an exit handler that waits without a bound for a cleanup thread;
+    # a sender stuck there would hold its journal's lock for ever (seen with a vanished repo)
+    script = ("import atexit, threading\n"
+              "from det_lab.tracking.sender import exit_bounded\n"
+              "atexit.register(lambda: threading.Event().wait())\n"
+              "exit_bounded(1.0, 3)\n")
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3 and time.monotonic() - started < 60
+    assert "exit handlers still busy after 1 s" in proc.stderr

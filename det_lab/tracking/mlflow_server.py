@@ -59,7 +59,10 @@ class MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, start_new_session=True,
-                                     env={**os.environ, "MLFLOW_TRACKING_URI": ""})
+                                     env={**os.environ, "MLFLOW_TRACKING_URI": "",
+                                          # MLflow's job runner (GenAI jobs) starts a huey worker
+                                          # pool with the server: det_lab runs no MLflow jobs
+                                          "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
