@@ -49,19 +49,19 @@ class Lab:
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
     """A real ``mlflow server`` on 127.0.0.1 (SQLite on local disk), one per test module."""
-    from det_lab.tracking.mlflow_server import MlflowServer, free_port
-
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
+    yield from _serve_mlflow(tmp_path_factory.mktemp("mlflow"))
 
 
 @pytest.fixture(scope="session")
 def shared_mlflow_server(tmp_path_factory):
     """One real ``mlflow server`` for the modules that only read their own runs back from it."""
+    yield from _serve_mlflow(tmp_path_factory.mktemp("mlflow-shared"))
+
+
+def _serve_mlflow(root: Path):
     from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow-shared"), free_port()).start()
+    server = MlflowServer(root, free_port()).start()
     yield server
     server.stop()
 

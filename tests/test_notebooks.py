@@ -23,7 +23,7 @@ from typer.testing import CliRunner
 
 from det_lab import notebook as nb
 from det_lab.cli.app import app
-from det_lab.tracking.mlflow_server import MlflowServer, free_port
+from det_lab.tracking.mlflow_server import free_port
 from tests.conftest import VENV_BIN
 
 REPO = Path(__file__).resolve().parents[1]
@@ -83,13 +83,6 @@ def _figure(out: Path, name: str) -> dict:
 
 def _runs(lab: NotebookLab) -> list[Path]:
     return sorted((lab.root / "outputs" / "vla" / "local-runs").glob("vla-*"), key=lambda p: p.stat().st_mtime)
-
-
-@pytest.fixture(scope="module")
-def mlflow_server(tmp_path_factory):
-    server = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port()).start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
