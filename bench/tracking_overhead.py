@@ -41,13 +41,13 @@ import torch
 from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_server import MlflowServer, free_port
+from det_lab.tracking.sender import yield_the_cpu
 
 ARMS = ("none", "busy", "mlflow", "aim", "both")
 #: "busy": no mirror, while a busy loop in SCHED_IDLE (the senders' class) runs in another process.
 #: It is the floor any out-of-process delivery has on this machine: what a neighbour that only
 #: takes idle CPU still costs the loop (shared caches, memory bandwidth, a hypervisor's vCPUs).
-BUSY = ("import os\nos.sched_setaffinity(0, {max(os.sched_getaffinity(0))})\n"
-        "os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\nwhile True:\n    pass\n")
+BUSY = "from det_lab.tracking.sender import yield_the_cpu\nyield_the_cpu()\nwhile True:\n    pass\n"
 
 AIM_CEILING = textwrap.dedent("""
     import sys, time
@@ -102,8 +102,7 @@ def idle_class(pgid: int) -> None:
             if os.getpgid(int(proc.name)) != pgid:
                 continue
             for task in (proc / "task").iterdir():
-                os.sched_setscheduler(int(task.name), os.SCHED_IDLE, os.sched_param(0))
-                os.sched_setaffinity(int(task.name), {max(os.sched_getaffinity(0))})  # where the senders keep
+                yield_the_cpu(int(task.name))
         except OSError:  # gone meanwhile
             continue
 

@@ -248,3 +248,18 @@ def test_a_twins_module_is_loaded_from_its_kind(local_run):
         assert type(rec).kind == "slurm"
     local_run.update(kind="no_such_scheduler")
     assert type(record.open_record(local_run.dir)) is record.LocalRunRecord
+
+
+def test_metrics_since_takes_whole_lines_and_resumes_where_it_stopped(tmp_path):
+    # what a pruning watcher polls: a line the trial is still writing is left for the next read
+    run = record.LocalRunRecord(tmp_path / "run")
+    run.dir.mkdir()
+    run.metrics_file.write_text('{"group": "validation", "step": 20, "metrics": {"val_loss": 1.5}}\n'
+                                '{"group": "validation", "step": 40, "metr')
+    first, offset = run.metrics_since(0)
+    assert [m["step"] for m in first] == [20]
+    with open(run.metrics_file, "a") as f:
+        f.write('ics": {"val_loss": 0.5}}\n')
+    second, end = run.metrics_since(offset)
+    assert second == [{"group": "validation", "step": 40, "metrics": {"val_loss": 0.5}}]
+    assert run.metrics_since(end) == ([], end) and len(run.metrics()) == 2

@@ -239,10 +239,13 @@ def run_task(search: Search, task: str) -> int:
     pruned = threading.Event()
     done = threading.Event()
     reported: set[int] = set()
+    read_to = 0
 
     def report_new(may_prune: bool) -> None:
         """Report validation points not yet reported; prune at the first the pruner rejects."""
-        for m in run.metrics():
+        nonlocal read_to
+        records, read_to = run.metrics_since(read_to)
+        for m in records:
             if pruned.is_set():
                 return  # points after the prune decision are the trial winding down, not evidence
             if m["group"] != "validation" or m["step"] in reported or metric not in m["metrics"]:

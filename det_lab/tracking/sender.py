@@ -255,23 +255,24 @@ def serve(sender: Sender, control: Control, writer: str, linger: float) -> None:
                 return
 
 
-def yield_the_cpu() -> None:
+def yield_the_cpu(tid: int = 0) -> None:
     """Keep to one CPU of the trial's, and run there only on time nothing else wants.
 
     Plain niceness lets a waking sender preempt the training loop; an idle-class (SCHED_IDLE)
     process never does, but the scheduler still hands it whole time slices on the loop's CPU
     when both share one (measured on 2 CPUs: the loop waited ~0.6 ms a step on the run queue).
     So the sender also keeps to the last CPU the trial may use, when it may use more than one.
-    Its threads (Aim's storage threads included) inherit both.
+    Threads it starts later (Aim's storage threads included) inherit both. ``tid``: another
+    thread to place so (0: the calling one).
     """
     cpus = sorted(os.sched_getaffinity(0))  # the trial's: a Slurm or container cpuset included
     if len(cpus) > 1:
-        os.sched_setaffinity(0, {cpus[-1]})
+        os.sched_setaffinity(tid, {cpus[-1]})
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         with contextlib.suppress(OSError):
-            os.nice(19 - os.nice(0))
+            os.setpriority(os.PRIO_PROCESS, tid, 19)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,17 +114,25 @@ class RunRecord:
 
     def metrics(self) -> list[dict[str, Any]]:
         """Every ``{"group", "step", "metrics"}`` reported so far (a line being written is skipped)."""
+        return self.metrics_since(0)[0]
+
+    def metrics_since(self, offset: int) -> tuple[list[dict[str, Any]], int]:
+        """The records whose lines start at byte ``offset`` or later, and the offset to read from
+        next time: a watcher polls a long run without reading it all again."""
         try:
-            text = self.metrics_file.read_text()
+            with open(self.metrics_file, "rb") as f:
+                f.seek(offset)
+                data = f.read()
         except FileNotFoundError:
-            return []
+            return [], offset
+        complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next call
         out = []
-        for line in text.splitlines():
+        for line in complete.splitlines():
             try:
                 out.append(json.loads(line))
             except ValueError:
                 continue
-        return out
+        return out, offset + len(complete)
 
     def progress(self) -> tuple[int, dict[str, float]]:
         """Latest training step reported, and the latest validation metrics."""
@@ -236,23 +244,28 @@ def open_record(directory: Path) -> LocalRunRecord:
     A kind not registered yet is looked for in ``det_lab.<kind>.record`` (``det_lab.slurm.record``),
     so a trial process gets its twin without importing it first."""
     kind = read_run_file(Path(directory) / RUN_FILE).get("kind", LocalRunRecord.kind)
-    if kind not in _KINDS and re.fullmatch(r"[a-z_]+", kind):
-        try:
-            importlib.import_module(f"det_lab.{kind}.record")
-        except ImportError:
-            pass
-    return _KINDS.get(kind, LocalRunRecord)(Path(directory))
+    return _load_kind(kind)(Path(directory))
 
 
 #: the kinds det_lab ships besides "local"; each module registers its kind when imported
 SHIPPED_KINDS = ("slurm",)
 
 
+def _load_kind(kind: str) -> type[LocalRunRecord]:
+    """The record class of ``kind``, importing ``det_lab.<kind>.record`` if it is not registered
+    yet (plain local records for a kind det_lab does not know)."""
+    if kind not in _KINDS and re.fullmatch(r"[a-z_]+", kind):
+        try:
+            importlib.import_module(f"det_lab.{kind}.record")
+        except ImportError:
+            pass
+    return _KINDS.get(kind, LocalRunRecord)
+
+
 def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
     """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
-        if kind not in _KINDS:
-            importlib.import_module(f"det_lab.{kind}.record")
+        _load_kind(kind)
     dirs = {p.parent for cls in set(_KINDS.values())
             for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
             if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
