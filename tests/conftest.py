@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +23,29 @@ VENV_BIN = Path(sys.executable).parent
 # start would then sleep through its Ctrl-C. A handler of our own is reset to the default in
 # children, so they get Ctrl-C as a user's terminal gives it.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# A local run without a tracking URI writes MLflow's SQLite store under XDG_DATA_HOME. Keep the
+# suite's store out of the user's home, and give each test process its own: pytest-xdist's
+# workers run at once, and two of them creating one SQLite store race in its schema migration.
+_DATA_HOME = tempfile.mkdtemp(prefix="det-lab-tests-data-")
+os.environ["XDG_DATA_HOME"] = _DATA_HOME
+
+# Test files that must not run beside each other: each Slurm module talks to a one-node cluster of
+# its own, and two slurmd on one machine share its cgroup tree.
+_SERIAL_GROUPS = {"test_slurm_config": "slurm", "test_slurm_jobs": "slurm", "test_slurm_run": "slurm"}
+
+
+def pytest_collection_modifyitems(items) -> None:
+    """Keep each test file on one pytest-xdist worker (``--dist loadgroup``), so its module-scoped
+    fixtures (labs, servers, trained runs) are built once; the Slurm files share one worker."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid.split("::")[0]
+        if not item.get_closest_marker("xdist_group"):
+            item.add_marker(pytest.mark.xdist_group(_SERIAL_GROUPS.get(module, module)))
+
+
+def pytest_unconfigure(config) -> None:
+    shutil.rmtree(_DATA_HOME, ignore_errors=True)
 
 
 @dataclass

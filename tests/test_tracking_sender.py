@@ -199,18 +199,16 @@ def test_serve_refuses_a_bad_or_busy_port_at_once(lab, port, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path):
+def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path, monkeypatch):
     from det_lab.tracking.mlflow_backend import MlflowBackend
     from det_lab.tracking.mlflow_server import free_port
 
     env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
-    os.environ["XDG_DATA_HOME"] = env["XDG_DATA_HOME"]  # where a local run (no tracking URI) writes
-    try:
+    with monkeypatch.context() as patch:
+        patch.setenv("XDG_DATA_HOME", env["XDG_DATA_HOME"])  # where a local run (no tracking URI) writes
         backend = MlflowBackend()
         run_id = backend.open(run_info("local-run"), None)
         backend.close("FINISHED")
-    finally:
-        del os.environ["XDG_DATA_HOME"]
     port = free_port()
     serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
                              env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -31,9 +31,11 @@ def tiny_lab(mlflow_server, tmp_path_factory) -> Lab:
     """One lab for the module, the tiny regression dataset published and MLflow as its tracker;
     each test names its own runs (``--run``) and finds them by name."""
     tmp = tmp_path_factory.mktemp("tiny-lab")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    # HOME of its own and no XDG_DATA_HOME: to see that nothing lands in ~/.local/share/determined
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER")) and k != "XDG_DATA_HOME"}
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
-               HOME=str(tmp / "home"))  # to see that nothing lands in ~/.local/share/determined
+               HOME=str(tmp / "home"))
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
     settings = load_settings(lab.config, env={})
