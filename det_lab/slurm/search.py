@@ -29,12 +29,13 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import optuna
+from typing import TYPE_CHECKING, Any
 
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.volume import atomic_write_text
+
+if TYPE_CHECKING:
+    import optuna
 
 SEARCH_FILE = "search.json"
 SEARCHES_DIR = "slurm-searches"
@@ -83,6 +84,14 @@ def _check_space(space: dict[str, Any], source: str, where: str) -> None:
             raise SearchConfigError(f"{source}: {key}: unknown hyperparameter type {kind!r}")
 
 
+def _optuna():
+    """Optuna, imported only when a search needs it: importing it takes about half a second."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    return optuna
+
+
 def suggest(trial: optuna.Trial, space: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Determined's hyperparameter space as Optuna suggestions (see the module docstring)."""
     out: dict[str, Any] = {}
@@ -114,6 +123,7 @@ def suggest(trial: optuna.Trial, space: dict[str, Any], prefix: str = "") -> dic
 
 def pruner_for(searcher: dict[str, Any]) -> optuna.pruners.BasePruner:
     """``adaptive_asha`` as asynchronous successive halving; anything else prunes nothing."""
+    optuna = _optuna()
     if searcher.get("name") != "adaptive_asha":
         return optuna.pruners.NopPruner()
     divisor = int(searcher.get("divisor", 4))
@@ -130,6 +140,7 @@ def direction(searcher: dict[str, Any]) -> str:
 def storage(search_dir: Path) -> optuna.storages.JournalStorage:
     from optuna.storages.journal import JournalFileBackend
 
+    optuna = _optuna()
     return optuna.storages.JournalStorage(JournalFileBackend(str(search_dir / JOURNAL_FILE)))
 
 
@@ -168,13 +179,12 @@ class Search:
 
     def study(self) -> optuna.Study:
         st = self.state()
-        return optuna.load_study(study_name=st["name"], storage=storage(self.dir),
+        return _optuna().load_study(study_name=st["name"], storage=storage(self.dir),
                                  pruner=pruner_for(st["searcher"]))
 
     def create_study(self) -> optuna.Study:
         st = self.state()
-        optuna.logging.set_verbosity(optuna.logging.WARNING)
-        return optuna.create_study(study_name=st["name"], storage=storage(self.dir),
+        return _optuna().create_study(study_name=st["name"], storage=storage(self.dir),
                                    direction=direction(st["searcher"]), pruner=pruner_for(st["searcher"]))
 
     def rows(self) -> list[dict[str, Any]]:
@@ -204,7 +214,7 @@ def _task_trial(search: Search, study: optuna.Study, task: str) -> tuple[optuna.
     mapping = search.tasks_dir / f"{task}.json"
     if mapping.exists():
         known = json.loads(mapping.read_text())
-        trial = optuna.Trial(study, known["trial_id"])
+        trial = _optuna().Trial(study, known["trial_id"])
         run = SlurmRunRecord(Path(known["run_dir"])) if known.get("run_dir") else None
         return trial, run
     return study.ask(), None
@@ -219,7 +229,7 @@ def run_task(search: Search, task: str) -> int:
     st = search.state()
     settings = load_settings()
     study = search.study()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    optuna = _optuna()
     # each task samples from its own seed: tasks asking at once must not draw the same point
     study.sampler = (optuna.samplers.RandomSampler if st["searcher"]["name"] == "random"
                      else optuna.samplers.TPESampler)(seed=int(st["seed"]) + int(task))
