@@ -114,9 +114,9 @@ def _add_user(name: str, group: str, base: Path) -> User:
     pw = pwd.getpwnam(name)
     home = base / f"home-{name}"
     home.mkdir(mode=0o700)
-    # git (2.39 ignores -c safe.directory) refuses repositories another user owns: the dataset
-    # repos on the volume are the team's, which each member states once in ~/.gitconfig
-    (home / ".gitconfig").write_text("[safe]\n\tdirectory = *\n")
+    # no safe.directory: det_lab's git commands trust the dataset repositories they are asked to
+    # read, which the first member owns
+    (home / ".gitconfig").write_text(f"[user]\n\tname = {name}\n")
     for p in (home, home / ".gitconfig"):
         os.chown(p, pw.pw_uid, pw.pw_gid)
     return User(name, pw.pw_uid, pw.pw_gid, home)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from det_lab.data.errors import DataError
@@ -14,12 +16,63 @@ _ENV = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_ASKPASS": "true", "SSH_AS
         "GIT_SSH_COMMAND": os.environ.get("GIT_SSH_COMMAND", "ssh -o BatchMode=yes")}
 
 
-def git(*args: str, cwd: Path | None = None) -> str:
-    """Run git; raise :class:`DataError` with git's own last error line on failure."""
-    proc = subprocess.run(["git", *args], cwd=cwd, env=_ENV, capture_output=True, text=True)
+def git(*args: str, cwd: Path | None = None, trust: Iterable[str | Path] = ()) -> str:
+    """Run git; raise :class:`DataError` with git's own last error line on failure.
+
+    ``trust`` names dataset repositories this one command may read although another user owns
+    them (see :func:`_trusting`).
+    """
+    config = _trusting(trust)
+    env = _ENV if config is None else {**_ENV, "GIT_CONFIG_GLOBAL": config}
+    try:
+        proc = subprocess.run(["git", *args], cwd=cwd, env=env, capture_output=True, text=True)
+    finally:
+        if config is not None:
+            os.unlink(config)
     if proc.returncode != 0:
         raise DataError(_last_error(proc.stderr) or f"git {args[0]} failed ({proc.returncode})")
     return proc.stdout
+
+
+def _trusting(repos: Iterable[str | Path]) -> str | None:
+    """A global git config that is the user's own plus ``safe.directory`` for the local ``repos``.
+
+    git refuses a repository another user owns ("dubious ownership"), and a team's dataset
+    repositories on the volume belong to whoever published them first. git 2.39 reads
+    ``safe.directory`` only from the global and system files (not from ``-c``), so det_lab hands
+    the one command a global file of its own that includes the user's. None when no repository is
+    a local directory (URLs are not checked).
+    """
+    entries: list[str] = []
+    for repo in repos:
+        local = _local_dir(str(repo))
+        for base in dict.fromkeys([local.absolute(), local.resolve()]) if local else ():
+            entries += [str(base), str(base / ".git")]
+    if not entries:
+        return None
+    if os.environ.get("GIT_CONFIG_GLOBAL"):
+        includes = [os.environ["GIT_CONFIG_GLOBAL"]]
+    else:
+        xdg = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+        includes = [str(Path(xdg) / "git" / "config"), str(Path.home() / ".gitconfig")]  # git's order
+    text = "".join(f"[include]\n\tpath = {_quote(p)}\n" for p in includes)
+    text += "[safe]\n" + "".join(f"\tdirectory = {_quote(e)}\n" for e in dict.fromkeys(entries))
+    fd, path = tempfile.mkstemp(prefix="det-lab-gitconfig-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def _local_dir(repo: str) -> Path | None:
+    """``repo`` as a local directory; None for a URL or ``host:path``."""
+    path = repo.removeprefix("file://")
+    if "://" in path or ":" in path.split("/", 1)[0]:
+        return None
+    return Path(path) if os.path.isdir(path) else None
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _last_error(stderr: str) -> str:
@@ -37,7 +90,7 @@ def resolve_revision(repo: str, rev: str) -> str:
     if is_commit(rev):
         return rev
     try:
-        out = git("ls-remote", repo, rev, f"refs/tags/{rev}^{{}}")
+        out = git("ls-remote", repo, rev, f"refs/tags/{rev}^{{}}", trust=[repo])
     except DataError as exc:
         msg = str(exc)
         if "Authentication" in msg or "could not read Username" in msg or "Permission denied" in msg:
@@ -53,7 +106,7 @@ def resolve_revision(repo: str, rev: str) -> str:
 def clone_at(repo: str, commit: str, dest: Path) -> None:
     """A working copy of ``repo`` at ``commit`` in ``dest`` (which must not exist)."""
     try:
-        git("clone", "--quiet", "--no-checkout", repo, str(dest))
+        git("clone", "--quiet", "--no-checkout", repo, str(dest), trust=[repo])
     except DataError as exc:
         raise DataError(f"git repository {repo} not found or not readable: {exc}") from None
     try:
