@@ -216,6 +216,11 @@ def _existing(lab: Lab) -> set[Path]:
     (["--set", "resources.slots_per_trial=4"], "resources.slots_per_trial=4: partition fake has 1 node(s) with at most 2 GPUs"),
     (["--time", "soon"], "--time 'soon' is not a Slurm time"),
     (["--set", "searcher.name=grid"], "searcher.name 'grid' does not run on Slurm"),
+    # a search is checked like a single run before its array is created
+    (["--set", "searcher.name=random", "--set", "searcher.max_trials=2", "--set", "trainer.epochs=3"],
+     "trainer: unknown key"),
+    (["--set", "searcher.name=random", "--set", "searcher.max_trials=2", "--set", "data.det_lab.dataset=no-such-data"],
+     "no dataset named 'no-such-data'"),
 ])
 def test_refusals_are_one_line_and_leave_nothing(slurm_lab, args, message):
     before = _existing(slurm_lab)
@@ -224,6 +229,15 @@ def test_refusals_are_one_line_and_leave_nothing(slurm_lab, args, message):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and message in line, line
     _nothing_created(slurm_lab, before)
+
+
+def test_gpu_requests_are_planned_against_the_partitions_nodes(slurm_cluster: SlurmCluster, monkeypatch):
+    from det_lab.slurm.submit import plan_resources
+
+    monkeypatch.setenv("SLURM_CONF", slurm_cluster.env["SLURM_CONF"])
+    assert plan_resources("fake", 0) == ("fake", 1, 0)  # slots_per_trial: 0 trains on CPUs: no gres
+    assert plan_resources(None, 1) == ("fake", 1, 1)  # the default partition
+    assert plan_resources("fake", 2) == ("fake", 1, 2)
 
 
 def test_without_sbatch_the_error_says_how_to_get_it(slurm_lab):

@@ -35,7 +35,8 @@ def place(slurm: SlurmSettings, exp_conf: dict[str, Any], partition: str | None,
         except ValueError as exc:
             raise ValueError(f"--time {exc}") from None
     submit.require("sbatch")
-    slots = int((exp_conf.get("resources") or {}).get("slots_per_trial", 1) or 1)
+    raw = (exp_conf.get("resources") or {}).get("slots_per_trial")
+    slots = 1 if raw is None else int(raw)  # 0: a CPU trial, which asks Slurm for no GPU
     # a slurm.yaml names the lab's defaults; without one, Slurm's own defaults apply
     part = partition or (slurm.default if slurm.source else None)
     part, nodes, per_node = submit.plan_resources(part, slots)
@@ -104,7 +105,9 @@ def submit_search(settings: LabSettings, slurm: SlurmSettings, template_dir: Pat
     from det_lab.volume import VolumeLayout, atomic_write_text
 
     from det_lab.trials.local import entry_command
+    from det_lab.trials.validate import preflight
 
+    preflight(conf, settings, source)  # what a single run refuses, before any array task fails on it
     searcher = check_searcher(conf, source)
     image = container(settings, slurm, conf, template_dir, entry_command(conf.get("entrypoint") or ""))
     project = lab_section(conf, source).project

@@ -82,6 +82,8 @@ def plan_resources(partition: str | None, slots: int) -> tuple[str, int, int]:
     if partition not in parts:
         raise SlurmError(f"--partition {partition}: no such Slurm partition (partitions: {', '.join(sorted(parts))})")
     part = parts[partition]
+    if slots == 0:  # slots_per_trial: 0 trains on CPUs, on any partition
+        return partition, 1, 0
     if part.max_gpus == 0:
         if slots > 1:
             raise SlurmError(f"resources.slots_per_trial={slots}, but partition {partition} has no GPUs: "
