@@ -71,6 +71,8 @@ def test_one_machine_defaults(lab):
     # a trial's first pull fills the cache, publishes a (read-only) snapshot, takes the volume's locks
     for sub in ("snapshots", "dvc-cache", ".det-lab", "outputs", "checkpoints"):
         assert mounts[f"{root}/{sub}"]["read_only"] is False and mounts[f"{root}/{sub}"]["propagation"] == "rslave"
+    # a dataset read in place ({dir: teams/scenes/garden}) is wherever on the volume: all of it, read-only
+    assert mounts[root]["read_only"] is True and mounts[root]["host_path"] == root
     # a user master.yaml replaces the built-in one: the db section must be complete (password via env)
     assert master["db"] == {"user": "postgres", "host": "determined-db", "port": 5432, "name": "determined",
                             "ssl_mode": "disable"}

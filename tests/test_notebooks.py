@@ -278,9 +278,18 @@ def test_cluster_submit_goes_through_the_sdk_with_the_det_lab_template(tmp_path,
     monkeypatch.setenv(nb.OUT_ENV, str(tmp_path / "out"))
     monkeypatch.delenv(nb.DET_TEMPLATE_ENV, raising=False)
     settings = LabSettings(data_root=tmp_path, master_url="http://master:8080")
-    result = nb.submit("vla", settings=settings, mode="cluster")
+    from det_lab.trials.validate import PreflightError
+
+    bad = {**yaml.safe_load((TEMPLATE / "const.yaml").read_text()), "trainer": {"epochs": 3}}
+    with pytest.raises(PreflightError, match="trainer: unknown key"):  # refused before the master is asked
+        nb.submit("vla", bad, settings=settings, mode="cluster")
+    assert calls == {}
+    # a config of the user's own, without a storage_path: checkpoints/<project>, as a local run of it
+    own = {k: v for k, v in yaml.safe_load((TEMPLATE / "const.yaml").read_text()).items() if k != "checkpoint_storage"}
+    result = nb.submit("vla", own, settings=settings, mode="cluster")
     assert calls["master"] == "http://master:8080" and calls["template"] == "det-lab"
     assert Path(calls["model_dir"]) == TEMPLATE and calls["config"]["name"] == "vla-tiny"
+    assert calls["config"]["checkpoint_storage"] == {"type": "shared_fs", "storage_path": "checkpoints/vla"}
     assert result.location == "http://master:8080/det/experiments/3/trials/7" and result.status == "COMPLETED"
     best = nb.best_checkpoint(result)
     assert best.uuid == "c-1" and best.step == 80 and best.metrics == {"val_action_l1": 0.1}

@@ -1,6 +1,9 @@
 """master.yaml and agent.yaml, rendered as plain dicts from the lab and cluster settings.
 
-What the master config carries, and why (facts: ``shared/notes/determined.md`` §1-2):
+What the master config carries, and why (facts from Determined 0.38.1: the master and agent config
+references, ``docs/reference/deploy/master-config-reference.rst`` and
+``agent-config-reference.rst``; ``master/internal/config/config.go``; ``det deploy local`` in
+``determined/deploy/local/cluster_utils.py``):
 
 - ``checkpoint_storage``: ``shared_fs`` on the data root, ``storage_path: checkpoints``; the
   templates' experiment configs narrow ``storage_path`` to ``checkpoints/<project>`` (merged over
@@ -42,7 +45,9 @@ ENV_GPU_KIND = "DET_LAB_GPU_KIND"
 def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, Any]]:
     """The task bind mounts, at the same paths as on the host.
 
-    The datasets tree (the DVC remotes and their git repos) is read-only. A trial's first pull of
+    The whole volume is there read-only, so a dataset read in place (``data.det_lab.dataset:
+    {dir: ...}``) is found wherever on the volume it lies; Docker mounts the writable trees below
+    over it. The datasets tree (the DVC remotes and their git repos) is read-only. A trial's first pull of
     a revision fills the shared cache and publishes a snapshot, and takes the volume's locks and
     registry under ``.det-lab/``, so those are writable; a published snapshot is itself
     read-only (mode 0555/0444), so trials cannot change the data they read.
@@ -50,10 +55,11 @@ def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, An
     root = VolumeLayout.from_settings(lab).root
 
     def mount(sub: str, read_only: bool) -> dict[str, Any]:
-        path = str(root / sub)
+        path = str(root / sub) if sub else str(root)
         return {"host_path": path, "container_path": path, "read_only": read_only, "propagation": "rslave"}
 
     mounts = [
+        mount("", True),
         mount("datasets", True),
         mount("snapshots", False),
         mount("dvc-cache", False),

@@ -208,7 +208,7 @@ def local_result(run_dir: Path, settings: LabSettings | None = None) -> SubmitRe
     run = open_record(Path(run_dir))
     st = run.state()
     conf = st.get("exp_conf") or {}
-    ckpt_root = VolumeLayout.from_settings(settings).project_checkpoints(project_of(conf))
+    ckpt_root = VolumeLayout.from_settings(settings).experiment_checkpoints(project_of(conf), conf)
     metrics = run.metrics()
     val = [m for m in metrics if m["group"] == "validation"]
     checkpoints = []
@@ -229,11 +229,19 @@ def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
     """The Determined SDK path (needs a master; not exercised by the tests here)."""
     from determined.experimental import client
 
+    from det_lab.trials.validate import check_config
+
+    tdir = local.resolve_template(template)
+    cfg_path, conf = local.load_config(tdir, config)
+    lab = check_config(conf, str(cfg_path))  # what the master or det_lab would refuse, said before submitting
+    storage = conf.get("checkpoint_storage") or {}
+    if storage.get("type", "shared_fs") == "shared_fs" and not storage.get("storage_path"):
+        # where a local run of it keeps them: checkpoints/<project>, not the master's checkpoints/
+        conf = {**conf, "checkpoint_storage": {**storage, "type": "shared_fs",
+                                               "storage_path": f"checkpoints/{lab.project}"}}
     url = master_url(settings)
     # credentials: DET_USER/DET_PASS, a prior 'det user login', or the task's token in a Determined JupyterLab
     client.login(master=url)
-    tdir = local.resolve_template(template)
-    cfg_path, conf = local.load_config(tdir, config)
     exp = client.create_experiment(conf, model_dir=str(tdir), template=det_template)
     print(f"experiment {exp.id} created from {cfg_path} (template {det_template or 'none'}): "
           f"{url}/det/experiments/{exp.id}/overview")

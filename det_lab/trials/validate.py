@@ -268,6 +268,14 @@ def preflight(exp_conf: Mapping[str, Any], settings: LabSettings, source: str = 
     """Raise :class:`PreflightError` for the first reason ``exp_conf`` must not run; create nothing.
 
     ``source`` names the config in the message (its path)."""
+    lab = check_config(exp_conf, source)
+    _datasets(lab, settings, source)
+    _writable(lab.project, settings)
+
+
+def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config"):
+    """The checks of the config alone (Determined's rules, det_lab's section), for a submission
+    from a machine that need not hold the volume; returns det_lab's section."""
     if not isinstance(exp_conf, Mapping):
         raise PreflightError(f"{source}: an experiment config must be a mapping of keys")
     problems = determined_errors(exp_conf)
@@ -276,8 +284,7 @@ def preflight(exp_conf: Mapping[str, Any], settings: LabSettings, source: str = 
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreflightError(f"{source}: {problems[0]}{more}")
-    _datasets(lab, settings, source)
-    _writable(lab.project, settings)
+    return lab
 
 
 def _lab_section(exp_conf: Mapping[str, Any], source: str):
