@@ -231,7 +231,7 @@ def test_both_trial_kinds_offer_the_same_surface_and_templates_use_only_it():
     from det_lab.trials.surface import TrialSurface
 
     names = {n for n, v in vars(TrialSurface).items() if isinstance(v, property)}
-    assert {"dataset_path", "training_length", "outputs_dir", "mirror", "lineage", "hparams",
+    assert {"dataset_path", "training_length", "outputs_dir", "work_dir", "mirror", "lineage", "hparams",
             "latest_checkpoint", "dataset"} <= names
     for cls in (LabContext, LabPyTorchTrial):
         assert issubclass(cls, TrialSurface) and all(getattr(cls, n) is getattr(TrialSurface, n) for n in names)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.cluster.config import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts
+from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.cluster.secrets import ADMIN_PASSWORD_FILE, DB_PASSWORD_FILE
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.settings import LabSettings
@@ -26,7 +27,6 @@ NETWORK_NAME = "determined_default"
 DB_NAME = "determined-db_1"
 MASTER_NAME = "determined-master_1"
 VOLUME_NAME = "determined-db-volume"
-SHARED_FS_CONTAINER_PATH = "/determined_shared_fs"
 
 
 @dataclass(frozen=True)

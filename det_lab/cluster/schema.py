@@ -1,9 +1,11 @@
 """Structural validation of master.yaml and agent.yaml against the documented 0.38 fields.
 
-``shared/tools/validate-expconf`` checks *experiment* configs; the master and agent configs are Go
-structs with no published JSON schema, so this module encodes the documented fields
-(``shared/notes/determined.md`` §1-2, the 0.38 master/agent config references) as a small schema
-plus the cross-field rules the master enforces at startup. Every problem is one line:
+Determined publishes JSON schemas only for *experiment* configs (``schemas/expconf/v0``); the
+master and agent configs are Go structs (``master/internal/config/config.go``,
+``agent/internal/options/options.go``) with no published schema, so this module encodes the fields
+of Determined 0.38.1's ``docs/reference/deploy/master-config-reference.rst`` and
+``agent-config-reference.rst`` as a small schema plus the cross-field rules the master enforces at
+startup. Every problem is one line:
 ``master.yaml: resource_pools[1].pool_name: duplicate pool 'gpu'``.
 
 The agent decodes its file with ``DisallowUnknownFields``, so an unknown agent key is an error;

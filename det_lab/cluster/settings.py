@@ -19,10 +19,10 @@ import socket
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from det_lab.compat import DETERMINED_VERSION
-from det_lab.settings import LabSettings, read_section_file
+from det_lab.settings import LabSettings, StrictModel, read_section_file
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POOL = "default"
@@ -38,11 +38,7 @@ class ClusterConfigError(ValueError):
     """A cluster configuration problem, phrased as one line for the user."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PoolSettings(_Strict):
+class PoolSettings(StrictModel):
     """A resource pool: one per machine or per GPU kind."""
 
     name: str
@@ -59,7 +55,7 @@ class PoolSettings(_Strict):
         return v
 
 
-class AgentSettings(_Strict):
+class AgentSettings(StrictModel):
     """Settings every agent gets in its agent.yaml."""
 
     container_master_host: str | None = Field(
@@ -70,7 +66,7 @@ class AgentSettings(_Strict):
         default="auto", description="pass the host GPUs to the agent container; auto = when nvidia-smi exists")
 
 
-class ImageSettings(_Strict):
+class ImageSettings(StrictModel):
     """Container images. Mirror them: nobody maintains the Docker Hub copies any more."""
 
     repo_prefix: str = "determinedai"
@@ -90,7 +86,7 @@ class ImageSettings(_Strict):
         return v
 
 
-class GCSettings(_Strict):
+class GCSettings(StrictModel):
     """Which checkpoints survive garbage collection (the union of the three is kept)."""
 
     save_experiment_best: int = Field(default=0, ge=0)
@@ -98,7 +94,7 @@ class GCSettings(_Strict):
     save_trial_latest: int = Field(default=1, ge=0)
 
 
-class DBSettings(_Strict):
+class DBSettings(StrictModel):
     """The database the master uses. Host and port are fixed by ``det deploy local``."""
 
     name: str = "determined"
@@ -112,7 +108,7 @@ class DBSettings(_Strict):
         return v
 
 
-class SchedulerSettings(_Strict):
+class SchedulerSettings(StrictModel):
     """The priority scheduler (``fair_share`` is deprecated in 0.38, ``round_robin`` removed)."""
 
     default_priority: int = Field(default=42, ge=1, le=99)
@@ -120,7 +116,7 @@ class SchedulerSettings(_Strict):
     fitting_policy: Literal["best", "worst"] = "best"
 
 
-class TaskUser(_Strict):
+class TaskUser(StrictModel):
     """A Unix identity for tasks; used for ``security.default_task`` and user links."""
 
     uid: int = Field(ge=0)
@@ -129,7 +125,7 @@ class TaskUser(_Strict):
     group: str
 
 
-class BindMount(_Strict):
+class BindMount(StrictModel):
     """An extra bind mount for every task container (same path on host and in the container)."""
 
     host_path: Path
@@ -145,7 +141,7 @@ class BindMount(_Strict):
         return v
 
 
-class ClusterSettings(_Strict):
+class ClusterSettings(StrictModel):
     """The whole cluster section."""
 
     cluster_name: str = Field(default="determined", description="prefix of the Docker container names")

@@ -21,9 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+from det_lab.rl.supervisor import STOP_FILE_ENV
 from det_lab.settings import env_value
 
-STOP_FILE_ENV = "DET_LAB_RL_STOP_FILE"
 CRASH_ENV = "DET_LAB_STANDIN_CRASH_AT"
 
 

@@ -295,5 +295,5 @@ def supervise(make_build: Callable[[Any], Callable[[Restore | None, int], ChildC
     import det_lab.core
 
     with det_lab.core.init() as ctx:
-        sup = RlSupervisor(ctx, ctx.session.record.rl_work_dir, make_build(ctx), total_iterations=ctx.training_length.value, **kwargs)
+        sup = RlSupervisor(ctx, ctx.work_dir, make_build(ctx), total_iterations=ctx.training_length.value, **kwargs)
         return sup.run()

@@ -48,6 +48,12 @@ from det_lab.tracking.targets import default_local_repo  # noqa: F401 (where rea
 logger = logging.getLogger(__name__)
 
 REMOTE_SCHEME = "aim://"
+#: where a run keeps det_lab's tags, run key, status and latest checkpoint
+META_SECTION = "det_lab"
+#: where a run keeps its hyperparameters (nested, as the user wrote them)
+PARAMS_SECTION = "hparams"
+#: the sequence-context key holding a metric's group (train, validation ...)
+GROUP_CONTEXT = "subset"
 
 
 RUN_HASH_LENGTH = 24  # what aim.sdk.utils.generate_run_hash produces
@@ -173,11 +179,11 @@ class AimBackend(TrackerBackend):
             self._run = self._open_run(run_hash)
             self._track = self._pick_track_function(self._run)
             # Kept here and merged locally: a remote read would wait, unbounded, for queued writes.
-            self._hparams = self._run.get("hparams", {}) or {}
+            self._hparams = self._run.get(PARAMS_SECTION, {}) or {}
             self._run.name = run.name
             self._run.experiment = run.experiment
             for key, value in {**run.tags, "run_key": run.key}.items():
-                self._run.set(("det_lab", key), value, strict=False)
+                self._run.set((META_SECTION, key), value, strict=False)
             self._flush()
         self._opened = (run, run_hash)
         _close_at_exit(self)
@@ -214,7 +220,7 @@ class AimBackend(TrackerBackend):
             self.open(*self._opened)
         run_hash = self._run.hash
         with self._abandon_on_error():
-            self._run.set(("det_lab", "status"), status)
+            self._run.set((META_SECTION, "status"), status)
             self._flush()
             self._run.close()
         self._run = self._track = self._opened = None
@@ -226,7 +232,7 @@ class AimBackend(TrackerBackend):
     # --- events ----------------------------------------------------------------------------------
 
     def _deliver_metrics(self, event: Metrics) -> None:
-        context = {"subset": event.group}
+        context = {GROUP_CONTEXT: event.group}
         try:  # the whole group in one call: Aim's per-call work (and, remote, one message) is shared
             self._track(dict(event.values), event.timestamp, None, event.step, context)
             return
@@ -240,16 +246,16 @@ class AimBackend(TrackerBackend):
 
     def _deliver_params(self, event: Params) -> None:
         self._hparams = merge_dotted(self._hparams, event.values)
-        self._run["hparams"] = self._hparams
+        self._run[PARAMS_SECTION] = self._hparams
 
     def _deliver_tags(self, event: Tags) -> None:
         for key, value in event.values.items():
-            self._run.set(("det_lab", key), value, strict=False)
+            self._run.set((META_SECTION, key), value, strict=False)
 
     def _deliver_checkpoint(self, event: Checkpoint) -> None:
         record = {"step": event.step, "timestamp": event.timestamp, **event.metadata}
         self._run.set(("checkpoints", event.uuid), record, strict=False)
-        self._run.set(("det_lab", "latest_checkpoint"), event.uuid)
+        self._run.set((META_SECTION, "latest_checkpoint"), event.uuid)
 
     def _deliver_artifact(self, event: Artifact) -> None:
         path = Path(event.path)

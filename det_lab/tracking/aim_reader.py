@@ -10,12 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from det_lab.settings import LabSettings
-from det_lab.tracking.aim_backend import default_local_repo
+from det_lab.tracking.aim_backend import GROUP_CONTEXT, META_SECTION, PARAMS_SECTION, default_local_repo
 from det_lab.tracking.events import flatten
-
-META_SECTION = "det_lab"
-PARAMS_SECTION = "hparams"
-GROUP_CONTEXT = "subset"
 
 
 def _repo(settings: LabSettings) -> Any:

@@ -32,7 +32,7 @@ from det_lab.trials.expconf import ExpConfError, lab_section, training_length
 from det_lab.trials.identity import LOCAL_RUN_ENV
 from det_lab.trials.lineage import CODE_COMMIT_ENV
 from det_lab.trials import run_guard
-from det_lab.trials.record import LocalRunRecord, open_record
+from det_lab.trials.record import RUN_FILE, LocalRunRecord, open_record
 from det_lab.trials.validate import preflight
 from det_lab.volume import VolumeLayout
 
@@ -184,10 +184,10 @@ def _require(template: Path, hparams: dict[str, Any]) -> None:
 
 def _find_run(root: Path, template: str, name: str | None) -> LocalRunRecord:
     if name:
-        if not (root / name / "run.json").is_file():
+        if not (root / name / RUN_FILE).is_file():
             raise RunError(f"no local run named {name!r} under {root}")
         return open_record(root / name)
-    candidates = sorted((p for p in root.glob(f"{template}-*") if (p / "run.json").is_file()),
+    candidates = sorted((p for p in root.glob(f"{template}-*") if (p / RUN_FILE).is_file()),
                         key=lambda p: p.stat().st_mtime)
     if not candidates:
         raise RunError(f"no earlier local run of {template!r} under {root} to resume")

@@ -11,6 +11,7 @@ uses the same names whichever way it trains:
 ``training_length``    ``Length``: ``.batches`` or ``.epochs``, ``.value`` (searcher's max_time wins)
 ``lab``                the config's ``data.det_lab`` section (``reporting_batches``...)
 ``outputs_dir``        this trial's directory for renders, logs and exports (created)
+``work_dir``           where an RL training command runs (its ``logs/`` tree lives there; not created)
 ``mirror``             MLflow/Aim mirror for custom metrics and images (does nothing off-chief)
 ``lineage``            what each checkpoint records: versions, host, code commit, dataset
 ``latest_checkpoint``  the checkpoint to resume from, or None
@@ -67,6 +68,10 @@ class TrialSurface:
         path = self.session.outputs_dir
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    @property
+    def work_dir(self) -> Path:
+        return self.session.record.rl_work_dir
 
     @property
     def mirror(self) -> Mirror | NullMirror:
