@@ -232,6 +232,25 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
         assert st["status"] == "stopped" and st["latest_checkpoint_step"] >= trained_to(run_dir), (how, st)
         assert not (run_dir / LOCK_NAME).exists()
 
+    # 3b. two --resume at once both pass det-lab run's check; the trial that then finds the run taken
+    # (here by this test process, between the check and the trial's own lock) leaves the record alone
+    name, run_dir = "tiny-term", runs / "tiny-term"
+    before = state(run_dir)
+    late = start(lab, str(TINY), "--resume", "--run", name)
+    trial_of(late)  # det-lab run has checked the lock and started its trial, which still imports
+    from det_lab.trials.run_guard import hold
+
+    lock = hold(run_dir, name)
+    try:
+        out = finish(late)
+    finally:
+        lock.__exit__(None, None, None)
+    assert late.returncode == 2, out
+    assert f"error: run {name} is still training as pid {os.getpid()} on host {host}" in out, out
+    assert "resume with" not in out
+    after = state(run_dir)
+    assert after["status"] == "stopped" and after["latest_checkpoint"] == before["latest_checkpoint"], after
+
     # 4. a trainer on another host (another UTS namespace) holds the killed run: refused while its
     # heartbeat is fresh ...
     name, run_dir = "tiny-kill", runs / "tiny-kill"
@@ -273,7 +292,7 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
         run_dir = runs / f"tiny-{how}"
         st = state(run_dir)
         assert st["status"] == "finished" and st["latest_checkpoint_step"] == total, (how, st)
-        assert st["resumed"] == (2 if how == "kill" else 1), (how, st)
+        assert st["resumed"] == (1 if how == "hup" else 2), (how, st)  # term: the attempt in 3b counts
         assert sorted(series(run_dir, "training")) == list(range(10, total + 1, 10)), how
         assert sorted(series(run_dir, "validation")) == list(range(20, total + 1, 20)), how
         assert not (run_dir / LOCK_NAME).exists()

@@ -55,7 +55,8 @@ def run(
     console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.log_file}", highlight=False)
     proc = local.launch(run_, cwd, command, settings)
     code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
-    local.record_exit(run_, code)
+    if local.record_exit(run_, code) == "busy":
+        fail(local.busy_error(run_))
     _summary(run_, code, settings)
     if code != 0:
         raise typer.Exit(code if code > 0 else 1)

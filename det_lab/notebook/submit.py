@@ -169,7 +169,8 @@ def _submit_local(settings: LabSettings, template: str, config: Path | None, see
           f"  run directory: {run.dir}\n  hyperparameters: {json.dumps(st['hparams'])}")
     proc = local.launch(run, cwd, command, settings)
     code = _watch(proc, run, poll)
-    local.record_exit(run, code)
+    if local.record_exit(run, code) == "busy":
+        raise SubmitError(local.busy_error(run))
     result = local_result(run.dir, settings)
     if code != 0:
         raise SubmitError(f"run {st['name']} exited with {code}; last log lines:\n"

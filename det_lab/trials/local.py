@@ -231,11 +231,21 @@ def record_exit(run: LocalRunRecord, code: int) -> str:
     """Store how the trial process ended in ``run.json``: finished, stopped (resumable) or failed.
 
     Finished only when the trial itself said so (``trial_status`` FINISHED: it trained to the end
-    and was not stopped early), whatever unit its length is in."""
+    and was not stopped early), whatever unit its length is in. "busy", recording nothing, when
+    the trial found another trainer on the run (two ``--resume`` at once)."""
+    if code == run_guard.BUSY_EXIT_CODE:  # another trainer holds the run: its record is that trainer's
+        return "busy"
     state = run.state()
     status = "failed" if code != 0 else "finished" if state.get("trial_status") == "FINISHED" else "stopped"
     run.update(status=status, exit_code=code)
     return status
+
+
+def busy_error(run: LocalRunRecord) -> str:
+    """The one line for a trial that found its run taken by another trainer."""
+    name = run.state().get("name", run.dir.name)
+    holder = run_guard.trainer(run.dir)
+    return str(holder.busy(name)) if holder else f"run {name} is being trained by another process"
 
 
 def tail(path: Path, lines: int = 15) -> str:

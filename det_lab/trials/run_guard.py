@@ -38,6 +38,11 @@ CLOCK_SLOP = dt.timedelta(seconds=10)
 _PR_SET_PDEATHSIG = 1
 
 
+# The exit code of a trial that found its run already trained by another process (sysexits'
+# EX_TEMPFAIL): whoever started it must leave the run's record to that trainer.
+BUSY_EXIT_CODE = 75
+
+
 class RunBusy(RuntimeError):
     """A live process is training the run."""
 

@@ -42,7 +42,7 @@ from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything
 from det_lab.trials.record import RunRecord, record_for
-from det_lab.trials.run_guard import RunBusy, hold, parent_gone, watch_parent
+from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone, watch_parent
 from det_lab.volume import VolumeLayout, share_with_group
 
 log = logging.getLogger("det_lab.trials")
@@ -91,8 +91,9 @@ class LabSession:
         if self.is_chief and self.record.keeps_progress:  # a local-style run: one trainer at a time
             try:
                 self._trainer_lock = hold(self.record.dir, self.identity.run.name)
-            except RunBusy as exc:
-                raise SystemExit(f"error: {exc}") from None
+            except RunBusy as exc:  # a second --resume that passed det-lab run's check at the same time
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+                raise SystemExit(BUSY_EXIT_CODE) from None
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
