@@ -298,6 +298,28 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
         assert not (run_dir / LOCK_NAME).exists()
 
 
+def test_runs_cancel_stops_a_local_run_at_a_checkpoint(runs_lab):
+    """`det-lab runs cancel` works on a local run as on a Slurm one: its trial checkpoints and stops."""
+    lab, total = runs_lab, 400
+    config = write_config(lab, TINY / "const.yaml", "tiny-cancel", lambda c: (
+        c["hyperparameters"].update(sleep_per_batch=0.04), c.update(min_checkpoint_period={"batches": 20}),
+        c["data"]["det_lab"].update(max_length={"batches": total})))
+    name = "tiny-cancel"
+    run_dir = lab.root / "outputs" / "vla" / "local-runs" / name
+    proc = start(lab, str(TINY), "--config", str(config), "--run", name)
+    cancelled = {}
+    at_first_checkpoint({name: (proc, run_dir)}, lambda key: cancelled.update(cli=lab.cli("runs", "cancel", name)))
+    assert cancelled["cli"].returncode == 0, cancelled["cli"].stdout + cancelled["cli"].stderr
+    assert f"asked run {name}'s trial" in cancelled["cli"].stdout and "--resume --run tiny-cancel" in cancelled["cli"].stdout
+    out = finish(proc)
+    assert proc.returncode == 0, out
+    st = state(run_dir)
+    assert st["status"] == "stopped" and trained_to(run_dir) < total
+    assert st["latest_checkpoint_step"] >= trained_to(run_dir)  # it checkpointed as it stopped
+    again = lab.cli("runs", "cancel", name)
+    assert again.returncode == 2 and "already ended (stopped)" in again.stderr
+
+
 # --- exact resume on the templates ---------------------------------------------------------------
 
 

@@ -166,7 +166,8 @@ def tail(
 
 @app.command()
 def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name.")) -> None:
-    """Stop a run: a Slurm job is cancelled (its trial checkpoints first, as on a time limit)."""
+    """Stop a run: its trial checkpoints and stops, as on a preemption. A Slurm job is cancelled; a
+    local run's trial is signalled on the machine it trains on."""
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
 
@@ -175,10 +176,37 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     if st.get("status") in ENDED:
         fail(f"run {name} already ended ({st['status']}); nothing to cancel")
     if not isinstance(run, SlurmRunRecord) or not run.job_id():
-        fail(f"run {name} is a {run.kind} run: stop it with Ctrl-C in the terminal running 'det-lab run'")
+        _cancel_local(run, name)
+        return
     try:
         submit.cancel(run.job_id())
     except submit.SlurmError as exc:
         fail(str(exc))
     console.print(f"cancelled Slurm job {run.job_id()} of run {name}; its trial checkpoints and stops "
                   f"(resume it with: sbatch {run.job_script})", highlight=False)
+
+
+def _cancel_local(run, name: str) -> None:
+    """SIGTERM to the trial that holds the run's trainer lock: det_lab's preemption (checkpoint,
+    stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
+    import os
+    import signal
+    import socket
+
+    from det_lab.trials import run_guard
+
+    holder = run_guard.trainer(run.dir)
+    if holder is None or holder.stale:
+        fail(f"run {name} has no live trainer ({holder.stale if holder else 'nobody holds it'}); nothing to cancel")
+    if holder.host != socket.gethostname():
+        fail(f"run {name} trains as pid {holder.pid} on host {holder.host}: run 'det-lab runs cancel {name}' there")
+    try:
+        os.kill(holder.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        fail(f"run {name}: its trainer (pid {holder.pid}) is gone; nothing to cancel")
+    except PermissionError:
+        fail(f"run {name} trains as pid {holder.pid} of another user: stop it as that user")
+    console.print(f"asked run {name}'s trial (pid {holder.pid}) to checkpoint and stop "
+                  f"(resume it with: det-lab run {run.state().get('template', '<template>')} --local --resume "
+                  f"--run {name})", highlight=False)
+
