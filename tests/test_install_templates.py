@@ -92,6 +92,17 @@ def test_optional_requirements_are_named_with_their_install_command():
     assert templates.missing_requirements(templates.resolve("3dgs"), {"backend": "torch"}) == []
 
 
+def test_isaac_standin_names_rsl_rl_and_its_install_when_it_is_missing(monkeypatch):
+    isaac, standin = templates.resolve("isaac"), {"require_isaaclab": False, "isaaclab_path": None}
+    monkeypatch.delenv("ISAACLAB_PATH", raising=False)
+    assert templates.missing_requirements(isaac, standin) == []  # rsl_rl is installed here
+    monkeypatch.setitem(sys.modules, "rsl_rl", None)  # what `import rsl_rl` sees without the package
+    (line,) = templates.missing_requirements(isaac, standin)
+    assert line.startswith("template isaac needs rsl_rl") and templates.RSL_RL_INSTALL in line
+    # on Isaac Lab itself (the cluster config) the stand-in, and with it rsl_rl from PyPI, is not used
+    assert templates.missing_requirements(isaac, {**standin, "require_isaaclab": True}) == []
+
+
 # --- through det-lab run ------------------------------------------------------------------------
 
 FAILING_TRIAL = {
@@ -127,6 +138,17 @@ def test_missing_optional_package_refuses_before_anything_is_made(lab):
     assert proc.stderr.startswith("error: template 3dgs needs gsplat") and "pip install gsplat" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not list((lab.root / "outputs" / "3dgs").glob("local-runs/*"))
+
+
+def test_isaac_without_rsl_rl_refuses_with_its_install_before_anything_is_made(lab, monkeypatch):
+    init(lab)
+    monkeypatch.delenv("ISAACLAB_PATH", raising=False)
+    monkeypatch.setitem(sys.modules, "rsl_rl", None)  # the package hidden from this interpreter
+    proc = invoke(lab, "run", "isaac", "--local")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: template isaac needs rsl_rl") and templates.RSL_RL_INSTALL in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not list((lab.root / "outputs" / "isaac").glob("local-runs/*"))
 
 
 def test_bad_set_and_set_on_resume_are_one_line(lab):
