@@ -122,6 +122,25 @@ def _submit_waiting(lab: Lab, *args: str) -> tuple[subprocess.Popen, Path]:
     return proc, run_dir
 
 
+def test_two_slots_train_one_run_as_two_ranks(slurm_lab, mlflow_server):
+    """resources.slots_per_trial: 2 is one job holding both GPUs, its trial under torchrun as two
+    ranks (gloo on this CPU-only node): one run record and one tracker run, every step once."""
+    proc, run_dir = _submit_waiting(slurm_lab, "--set", "resources.slots_per_trial=2")
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    assert "#SBATCH --gres=gpu:2" in (run_dir / "job.sbatch").read_text()
+    st = state(run_dir)
+    assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [40, 80]
+    # each rank reads its half of the 400 training rows (16 a batch): 13 batches an epoch, not 25
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    training = [r for r in records if r["group"] == "training"]
+    assert [r["step"] for r in training] == list(range(10, 81, 10))  # the chief alone reports, once
+    assert training[-1]["metrics"]["epochs"] == 80 // 13
+    (backend,) = json.loads((run_dir / "tracking-summary.json").read_text())["backends"]
+    history = MlflowClient(mlflow_server.uri).get_metric_history(backend["run_id"], "training/loss")
+    assert sorted(m.step for m in history) == list(range(10, 81, 10))
+
+
 def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
     config = _tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
     # the uninterrupted run trains beside the one that is requeued (the node has two GPUs)

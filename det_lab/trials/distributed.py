@@ -20,6 +20,10 @@ def off_cluster_distributed(on_cluster: bool) -> det.core.DistributedContext | N
     import torch
     import torch.distributed as dist
 
+    # What Determined's launch layer tells its PyTorchTrial controller (determined 0.38.1,
+    # determined/launch/torch_distributed.py:81): wrap the model in DDP. Without it the controller
+    # refuses a world of several ranks ("Must use horovod or torch for distributed training").
+    os.environ["USE_TORCH_DISTRIBUTED"] = "True"
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return det.core.DistributedContext.from_torch_distributed()
