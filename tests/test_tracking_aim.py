@@ -288,3 +288,31 @@ def test_mirror_sends_renders_as_aim_images(tmp_path: Path) -> None:
     assert data["images"]["renders/view0"] == {"steps": [100, 200], "sizes": [[32, 24], [32, 24]]}
     assert set(data["artifacts"]["renders/view0"]) == {"100", "200"}
     assert read_run(repo, run_hash)["metrics"]["psnr|validation"]["steps"] == [100, 200]
+
+
+# --- through det-lab run ---------------------------------------------------------------------------
+
+
+def test_run_summary_names_the_aim_repo_and_the_command_that_opens_it(lab, tmp_path: Path) -> None:
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+    from tests.conftest import publish_tiny_data
+
+    # a path longer than a terminal is wide: a summary cut to 80 columns would lose its end
+    repo = tmp_path / ("team-aim-repository-" * 5) / "aim"
+    lab.write_config(tracking={"backend": "aim", "aim_repo": str(repo)})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    publish_tiny_data(settings, tmp_path)
+    lab.env.pop("COLUMNS")  # stdout is a pipe, and nothing says how wide to print
+    proc = lab.cli("run", str(Path(__file__).parent / "fixtures" / "tiny"), "--local",
+                   "--set", "data.det_lab.max_length.batches=20")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("│")[1:3] for line in proc.stdout.splitlines() if line.count("│") == 3]
+    start = [name.strip() for name, _ in rows].index("aim")
+    ends = [i for i in range(start + 1, len(rows)) if rows[i][0].strip()]
+    aim = [cell.strip() for _, cell in rows[start:ends[0] if ends else None]]  # its row and continuation lines
+    assert aim[0].startswith("run ") and aim[0].endswith(" events delivered"), proc.stdout
+    assert f"store: {repo}" in aim and f"open it: aim up --repo {repo}" in aim, proc.stdout
+    run_hash = aim[0].split()[1].rstrip(":")
+    assert read_run(repo, run_hash)["metrics"]["loss|training"]["steps"][-1] == 20
