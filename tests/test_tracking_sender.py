@@ -199,7 +199,8 @@ def test_serve_refuses_a_bad_or_busy_port_at_once(lab, port, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path, monkeypatch):
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
+def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, monkeypatch, stop):
     from det_lab.tracking.mlflow_backend import MlflowBackend
     from det_lab.tracking.mlflow_server import free_port
 
@@ -223,13 +224,19 @@ def test_serve_shows_local_runs_and_stops_its_server_on_sigterm(lab, tmp_path, m
                 if serve.poll() is not None or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
-        serve.send_signal(signal.SIGTERM)
-        serve.wait(timeout=30)
+        serve.send_signal(stop)  # conftest leaves SIGINT at its default in children, as in a terminal
+        out, err = serve.communicate(timeout=30)
+        assert serve.returncode == 0 and err == "" and "Ctrl-C stops it" in out, out + err
         server_pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
         assert server_pids == []
     finally:
         if serve.poll() is None:
             serve.kill()
+            serve.wait()
+            # a serve that failed to stop leaves its server behind: not for the next tests to find
+            leftover = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
+            for pid in leftover:
+                os.kill(int(pid), signal.SIGKILL)
 
 
 def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
