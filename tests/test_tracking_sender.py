@@ -158,6 +158,39 @@ def test_sync_delivers_to_the_recorded_tracker_and_a_failed_sync_changes_nothing
     assert "does not record where its events go" in refused.stderr
 
 
+GOOD_RUN = {"key": "damaged", "name": "damaged", "experiment": "det_lab-sender-tests", "tags": {}}
+
+
+@pytest.mark.parametrize("run_json", [
+    '{"run": {"key": "damaged", "na',  # torn: not JSON
+    "[]",
+    json.dumps({"run": "damaged", "backends": ["mlflow"], "targets": {"mlflow": "http://127.0.0.1:9"}}),
+    json.dumps({"run": {"id": "damaged"}, "backends": ["mlflow"], "targets": {"mlflow": "http://127.0.0.1:9"}}),
+    json.dumps({"run": GOOD_RUN, "backends": "mlflow", "targets": {"mlflow": "http://127.0.0.1:9"}}),
+    json.dumps({"run": GOOD_RUN, "backends": ["mlflow"], "targets": {"mlflow": 9}}),
+], ids=["torn", "list", "run-a-string", "run-unknown-fields", "backends-a-string", "target-a-number"])
+def test_damaged_run_json_is_refused_in_one_line_and_the_journal_left_as_it_was(lab, run_json):
+    from typer.testing import CliRunner
+
+    from det_lab.cli.app import app
+
+    journal_dir = lab.root / "outputs" / "vla" / "tracking-journal" / "damaged"
+    journal = Journal(journal_dir)
+    journal.describe_run(run_info("damaged"), {"mlflow": "http://127.0.0.1:9"})
+    journal.append([Metrics("training", s, {"loss": float(s)}) for s in range(1, 6)])
+    journal.close()
+    (journal_dir / "run.json").write_text(run_json)
+    before = {p.name: p.read_bytes() for p in journal_dir.iterdir()}
+    sync = CliRunner().invoke(app, ["tracking", "sync", str(journal_dir)], env=lab.env)
+    assert sync.exit_code == 2 and sync.stdout == "", (sync.output, sync.exception)
+    assert sync.stderr.startswith(f"error: {journal_dir / 'run.json'} is missing or damaged")
+    assert len(sync.stderr.splitlines()) == 1
+    status = CliRunner().invoke(app, ["tracking", "status"], env=lab.env)
+    assert status.exit_code == 0, (status.output, status.exception)
+    assert f"5 events waiting  {journal_dir}" in status.stdout  # listed, so that it is looked at
+    assert {p.name: p.read_bytes() for p in journal_dir.iterdir()} == before
+
+
 def test_reader_takes_only_whole_lines_while_the_writer_appends(tmp_path):
     journal = Journal(tmp_path)
     journal.append([Metrics("training", s, {"loss": float(s)}) for s in range(1, 4)])

@@ -26,6 +26,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ValidationError
+
 from det_lab.tracking.events import Event, Metrics, RunInfo, from_record, to_record
 from det_lab.volume import atomic_write_text
 
@@ -50,6 +52,14 @@ class Cursor:
 class End:
     status: str  # FINISHED, FAILED, KILLED
     seq: int  # the last event of the run when it ended
+
+
+class _RunFile(BaseModel):
+    """``run.json`` as :meth:`Journal.describe_run` writes it (``targets`` absent in older journals)."""
+
+    run: RunInfo
+    backends: list[str]
+    targets: dict[str, str] | None = None
 
 
 class Journal:
@@ -165,14 +175,14 @@ class Journal:
     def run(self) -> tuple[RunInfo, dict[str, str]]:
         """The run and its ``{backend: target}``; :class:`JournalError` if they are not recorded."""
         path = self.directory / "run.json"
-        data = _read_json(path)
-        if not isinstance(data, dict) or "run" not in data:
-            raise JournalError(f"{path} is missing or damaged: {self.directory} is not a det_lab tracking journal")
-        targets = data.get("targets")
-        if not isinstance(targets, dict) or set(targets) != set(data.get("backends", [])):
+        try:
+            recorded = _RunFile.model_validate(_read_json(path))
+        except ValidationError:
+            raise JournalError(f"{path} is missing or damaged: {self.directory} is not a det_lab tracking journal") from None
+        if recorded.targets is None or set(recorded.targets) != set(recorded.backends):
             raise JournalError(f"{path} does not record where its events go (written by det_lab before targets "
                                "were recorded); it cannot be delivered safely")
-        return RunInfo(**data["run"]), dict(targets)
+        return recorded.run, recorded.targets
 
     def claim(self, token: str) -> None:
         """Make this writer the journal's current one; an older writer's sender hands over."""
