@@ -32,16 +32,25 @@ os.environ["XDG_DATA_HOME"] = _DATA_HOME
 
 # Test files that must not run beside each other: each Slurm module talks to a one-node cluster of
 # its own, and two slurmd on one machine share its cgroup tree.
-_SERIAL_GROUPS = {"test_slurm_config": "slurm", "test_slurm_jobs": "slurm", "test_slurm_run": "slurm"}
+_SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm", "test_slurm_run.py": "slurm"}
 
 
-def pytest_collection_modifyitems(items) -> None:
-    """Keep each test file on one pytest-xdist worker (``--dist loadgroup``), so its module-scoped
-    fixtures (labs, servers, trained runs) are built once; the Slurm files share one worker."""
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else item.nodeid.split("::")[0]
-        if not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(_SERIAL_GROUPS.get(module, module)))
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile``, with the Slurm files as one unit: each test file stays on one
+    pytest-xdist worker, so its module-scoped labs, servers and trained runs are built once.
+
+    (pytest-xdist 3.8's ``loadgroup`` no longer groups under pytest 9: it renames ``item._nodeid``,
+    which pytest 9 does not read back.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return _SERIAL_FILES.get(Path(file).name, file)
+
+    return FileScheduling(config, log)
 
 
 def pytest_unconfigure(config) -> None:

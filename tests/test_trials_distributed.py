@@ -32,8 +32,9 @@ def test_torchrun_processes_get_their_own_ranks(lab, tmp_path):
         cwd=tmp_path, env=lab.env, capture_output=True, text=True, timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    results = sorted((json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line),
-                     key=lambda r: r["rank"])
+    # the two ranks share the pipe: one's line may land in the middle of the other's
+    decoder = json.JSONDecoder()
+    results = sorted((decoder.raw_decode(chunk)[0] for chunk in proc.stdout.split("RESULT ")[1:]), key=lambda r: r["rank"])
     assert [(r["rank"], r["size"]) for r in results] == [(0, 2), (1, 2)]
     assert all(r["ranks"] == [0, 1] for r in results)
     assert results[1]["mirror"] == "NullMirror"  # only the chief mirrors
