@@ -191,14 +191,13 @@ def _cancel_local(run, name: str) -> None:
     stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
     import os
     import signal
-    import socket
 
     from det_lab.trials import run_guard
 
     holder = run_guard.trainer(run.dir)
     if holder is None or holder.stale:
         fail(f"run {name} has no live trainer ({holder.stale if holder else 'nobody holds it'}); nothing to cancel")
-    if holder.host != socket.gethostname():
+    if not holder.here:
         fail(f"run {name} trains as pid {holder.pid} on host {holder.host}: run 'det-lab runs cancel {name}' there")
     try:
         os.kill(holder.pid, signal.SIGTERM)

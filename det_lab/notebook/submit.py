@@ -238,8 +238,9 @@ def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
     storage = conf.get("checkpoint_storage") or {}
     if storage.get("type", "shared_fs") == "shared_fs" and not storage.get("storage_path"):
         # where a local run of it keeps them: checkpoints/<project>, not the master's checkpoints/
-        conf = {**conf, "checkpoint_storage": {**storage, "type": "shared_fs",
-                                               "storage_path": f"checkpoints/{lab.project}"}}
+        layout = VolumeLayout.from_settings(settings)
+        path = layout.project_checkpoints(lab.project).relative_to(layout.root)
+        conf = {**conf, "checkpoint_storage": {**storage, "type": "shared_fs", "storage_path": str(path)}}
     url = master_url(settings)
     # credentials: DET_USER/DET_PASS, a prior 'det user login', or the task's token in a Determined JupyterLab
     client.login(master=url)

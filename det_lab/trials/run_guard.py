@@ -54,6 +54,7 @@ class Trainer:
     host: str
     pid: int
     stale: str | None  # why the holder is taken for dead; None while it lives
+    here: bool = False  # it holds the lock from this machine (the lock's own notion of the host)
 
     def busy(self, run_name: str) -> RunBusy:
         return RunBusy(f"run {run_name} is still training as pid {self.pid} on host {self.host}")
@@ -67,11 +68,13 @@ def trainer(run_dir: Path) -> Trainer | None:
         expires = lock.expiration
     except (NotLockedError, OSError):
         return None
-    if host == lock.hostname and not pid_alive(pid):
-        return Trainer(host, pid, f"pid {pid} on host {host} is gone")
+    here = host == lock.hostname
+    if here and not pid_alive(pid):
+        return Trainer(host, pid, f"pid {pid} on host {host} is gone", here)
     if expires + CLOCK_SLOP < dt.datetime.now():
-        return Trainer(host, pid, f"pid {pid} on host {host} stopped renewing it (expired {expires:%Y-%m-%d %H:%M:%S})")
-    return Trainer(host, pid, None)
+        return Trainer(host, pid, f"pid {pid} on host {host} stopped renewing it (expired {expires:%Y-%m-%d %H:%M:%S})",
+                       here)
+    return Trainer(host, pid, None, here)
 
 
 def break_stale(run_dir: Path, run_name: str) -> str | None:
