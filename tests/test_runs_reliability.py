@@ -237,7 +237,10 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     name, run_dir = "tiny-term", runs / "tiny-term"
     before = state(run_dir)
     late = start(lab, str(TINY), "--resume", "--run", name)
-    trial_of(late)  # det-lab run has checked the lock and started its trial, which still imports
+    # det-lab run has checked the lock and counted the resume (its other children, such as git, may
+    # come first), and started its trial, which still imports for seconds before taking the lock
+    wait_for(lambda: state(run_dir).get("resumed", 0) == before.get("resumed", 0) + 1, late, 60, "the resume")
+    trial_of(late)
     from det_lab.trials.run_guard import hold
 
     lock = hold(run_dir, name)
@@ -250,6 +253,7 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     assert "resume with" not in out
     after = state(run_dir)
     assert after["status"] == "stopped" and after["latest_checkpoint"] == before["latest_checkpoint"], after
+    assert after.get("exit_code") == before.get("exit_code")  # the loser recorded nothing
 
     # 4. a trainer on another host (another UTS namespace) holds the killed run: refused while its
     # heartbeat is fresh ...
