@@ -10,9 +10,7 @@ subprocesses (this file is also their script), images and video both.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,39 +24,16 @@ import pyarrow.parquet as pq
 import pytest
 
 from det_lab.datasets import LeRobotDataset, LeRobotDatasetError
+from tests.lerobot_writer import finish, import_lerobot_dataset, run_lerobot, skip_without_lerobot, v21_library
 
 CAMERA = "observation.images.front"
-# the last release that writes v2.1, with the `datasets` release its reader needs
-LEROBOT_V21 = ("lerobot==0.3.3", "datasets==3.6.0")
 KINDS = ("image", "video")
 LENGTHS = (5, 6, 7)
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("lerobot") is None or importlib.util.find_spec("torchcodec") is None,
-    reason="needs lerobot (pip install --no-deps lerobot) and torchcodec: see the `test` extra and .ci/run")
+pytestmark = skip_without_lerobot()
 
 
 # --- run in a subprocess: LeRobot writes, then reads back ------------------------------------------
-
-
-def _import_lerobot() -> Any:
-    import ctypes
-
-    import torch
-
-    # The PyPI torchvision wheel is a CUDA build whose C++ ops library cannot load beside the CPU
-    # torch, and importing torchvision registers fake kernels for two of those ops. LeRobot's
-    # dataset code uses only torchvision's pure-Python transforms, so where the library does not
-    # load, declaring the two op schemas lets the real torchvision package import.
-    spec = importlib.util.find_spec("torchvision")
-    try:
-        ctypes.CDLL(str(Path(spec.submodule_search_locations[0]) / "_C.so"))
-    except OSError:
-        for op in ("nms", "qnms"):
-            torch.library.define(f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    from lerobot.datasets import lerobot_dataset
-
-    return lerobot_dataset.LeRobotDataset
 
 
 def _write_with_lerobot(cls: Any, root: Path, kind: str) -> None:
@@ -100,7 +75,7 @@ def _read_with_lerobot(cls: Any, root: Path, out: Path) -> None:
 
 
 def _main(out: str) -> None:
-    cls = _import_lerobot()
+    cls = import_lerobot_dataset()
     for kind in KINDS:
         root = Path(out) / kind
         _write_with_lerobot(cls, root / "dataset", kind)
@@ -110,40 +85,20 @@ def _main(out: str) -> None:
 # --- fixtures ------------------------------------------------------------------------------------
 
 
-def _lerobot_env(extra_path: Path | None) -> dict[str, str]:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    if extra_path is not None:
-        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")])
-    return env
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, Path]:
     """{"v3.0": dir, "v2.1": dir}, each with image/ and video/ written and read back by LeRobot."""
-    v21_lib = Path(request.config.cache.mkdir("-".join(LEROBOT_V21).replace("==", "-")))
-    if not (v21_lib / "datasets").is_dir():
-        pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
-                              str(v21_lib), *LEROBOT_V21], capture_output=True, text=True, timeout=300)
-        if pip.returncode != 0:
-            pytest.skip(f"cannot install {LEROBOT_V21} (for v2.1 datasets): {pip.stderr.strip()[-300:]}")
+    v21_lib = v21_library(request.config)
     outs = {"v3.0": tmp_path_factory.mktemp("lerobot_v30"), "v2.1": tmp_path_factory.mktemp("lerobot_v21")}
 
     def write(version: str) -> subprocess.Popen:
         shutil.rmtree(outs[version], ignore_errors=True)
         outs[version].mkdir()
-        return subprocess.Popen([sys.executable, __file__, str(outs[version])], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True,
-                                env=_lerobot_env(v21_lib if version == "v2.1" else None))
+        return run_lerobot(__file__, [str(outs[version])], v21_lib if version == "v2.1" else None)
 
     procs = {version: write(version) for version in outs}  # both at once: two cores
     for version, proc in procs.items():
-        log, _ = proc.communicate(timeout=600)
-        if proc.returncode < 0:
-            # LeRobot's writer (its video encoder, in C++) now and then aborts ("terminate called
-            # without an active exception") on a loaded machine: that is LeRobot's, not what is tested
-            proc = write(version)
-            log, _ = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"LeRobot ({version}) failed:\n{log[-3000:]}"
+        finish(proc, lambda version=version: write(version), version)
     for version, out in outs.items():
         info = json.loads((out / "image" / "dataset" / "meta" / "info.json").read_text())
         assert info["codebase_version"] == version
@@ -334,10 +289,7 @@ def test_truncated_and_non_video_mp4(written: dict[str, Path], tmp_path: Path, d
 
 def _with_decoder(ds: LeRobotDataset, decoder: str) -> LeRobotDataset:
     """The reader prefers torchcodec; PyAV is what it falls back to."""
-    if decoder == "pyav":
-        from det_lab.datasets import lerobot
-
-        ds._decode = lerobot._decode_pyav
+    ds.video_decoder = decoder
     return ds
 
 

@@ -187,11 +187,13 @@ def test_images_embedded_in_parquet_read_like_files(demos, tmp_path):
     _same_items(LeRobotDataset(root, horizon=3), LeRobotDataset(demos["v21"], horizon=3))
 
 
-def test_video_camera_without_a_decoder_is_a_clear_error(demos, tmp_path):
-    import importlib.util
+def test_video_camera_without_a_decoder_is_a_clear_error(demos, tmp_path, monkeypatch):
+    """Neither torchcodec nor PyAV importable (as where neither is installed): one line naming both."""
+    from det_lab.datasets import video
 
-    if any(importlib.util.find_spec(m) for m in ("torchcodec", "av", "torchvision")):
-        pytest.skip("a video decoder is installed here")
+    for module in ("torchcodec", "torchcodec.decoders", "av"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import av` now fails as if not installed
+    video.decoder_problem.cache_clear()  # probed again now, and again after the test (finally)
     root = _copy(demos["v21"], tmp_path)
     info_file = root / "meta" / "info.json"
     info = json.loads(info_file.read_text())
@@ -199,12 +201,15 @@ def test_video_camera_without_a_decoder_is_a_clear_error(demos, tmp_path):
     info["video_path"] = "videos/chunk-{episode_chunk:03d}/{video_key}/episode_{episode_index:06d}.mp4"
     info_file.write_text(json.dumps(info))
     for e in range(4):
-        video = root / info["video_path"].format(episode_chunk=0, video_key=IMAGE_KEY, episode_index=e)
-        video.parent.mkdir(parents=True, exist_ok=True)
-        video.write_bytes(b"not decoded")
-    with pytest.raises(VideoDecoderMissing, match="no decoder is installed") as err:
-        LeRobotDataset(root)
-    assert "\n" not in str(err.value)
+        clip = root / info["video_path"].format(episode_chunk=0, video_key=IMAGE_KEY, episode_index=e)
+        clip.parent.mkdir(parents=True, exist_ok=True)
+        clip.write_bytes(b"not decoded")
+    try:
+        with pytest.raises(VideoDecoderMissing, match="no video decoder works here: torchcodec not installed") as err:
+            LeRobotDataset(root)
+    finally:
+        video.decoder_problem.cache_clear()
+    assert "\n" not in str(err.value) and "pyav not installed (pip install av" in str(err.value)
     assert len(LeRobotDataset(root, cameras=())) == 40  # the tabular part still reads
 
 
