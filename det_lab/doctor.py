@@ -68,6 +68,7 @@ def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) 
         _docker_checks,
         _gpu_checks,
         lambda: _service_checks(settings),
+        lambda: _backup_checks(settings),
     ):
         try:
             checks.extend(produce())
@@ -354,6 +355,15 @@ def _service_checks(settings: LabSettings) -> Iterator[Check]:
         yield Check("audit trail mlflow", "pass", f"MLflow {t.mlflow_uri or 'local SQLite store'}")
     if t.uses_aim:
         yield Check("audit trail aim", "pass", f"Aim {t.aim_repo or 'local repository'}")
+
+
+def _backup_checks(settings: LabSettings) -> Iterator[Check]:
+    """The master database's newest backup, where this lab runs a cluster or keeps backups."""
+    from det_lab.cluster.backup import backup_check
+
+    found = backup_check(settings)
+    if found is not None:
+        yield Check("backups", *found)
 
 
 # --- helpers ----------------------------------------------------------------------------------

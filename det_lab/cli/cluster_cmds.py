@@ -360,3 +360,7 @@ def template(
         fail(f"det template create {name}: {reason}")
     console.print(f"registered template {name!r} with {master}", highlight=False)
 
+
+
+# backup, restore and backup-timer live in their own module; importing it registers them on `app`
+from det_lab.cli import cluster_backup_cmds  # noqa: E402,F401

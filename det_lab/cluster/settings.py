@@ -32,6 +32,14 @@ DEFAULT_POSTGRES_IMAGE = "postgres:14"
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _DOCKER_NAME = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,62}$")
+# Docker's reference grammar (distribution/reference): tag, digest, and registry/path prefix
+_TAG = re.compile(r"^[\w][\w.-]{0,127}$")
+_DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+_REPO_PREFIX = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._-][a-z0-9]+)*)*$")
+#: a Go duration as Determined's model.Duration parses it ("2h", "90m", "1h30m")
+_GO_DURATION = re.compile(r"^(\d+(\.\d+)?(h|m|s|ms))+$")
+_DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+NOTEBOOK_IDLE_TYPES = ("kernels_or_terminals", "kernel_connections", "activity")
 
 
 class ClusterConfigError(ValueError):
@@ -67,12 +75,51 @@ class AgentSettings(StrictModel):
 
 
 class ImageSettings(StrictModel):
-    """Container images. Mirror them: nobody maintains the Docker Hub copies any more."""
+    """Container images. Mirror them: nobody maintains the Docker Hub copies any more.
+
+    ``det deploy local`` runs ``<repo_prefix>/determined-master:<version>`` (and ``-agent``); a
+    digest pins the image's content: the reference becomes ``...:<version>@sha256:<hex>``, which
+    Docker pulls and runs by digest (the tag is then only a label).
+    """
 
     repo_prefix: str = "determinedai"
     version: str = DETERMINED_VERSION
+    master_digest: str | None = Field(default=None, description="sha256:<64 hex> of the master image")
+    agent_digest: str | None = Field(default=None, description="sha256:<64 hex> of the agent image")
     task: str | None = Field(default=None, description="default task image; None keeps Determined's")
     postgres: str = DEFAULT_POSTGRES_IMAGE
+
+    @field_validator("repo_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if not _REPO_PREFIX.match(v):
+            raise ValueError(f"{v!r} is not an image repository prefix (e.g. determinedai or ghcr.io/wu-cvgl)")
+        return v
+
+    @field_validator("version")
+    @classmethod
+    def _tag(cls, v: str) -> str:
+        if not _TAG.match(v):
+            raise ValueError(f"{v!r} is not an image tag (letters, digits, '_', '.', '-'; at most 128; "
+                             "put a digest in master_digest/agent_digest)")
+        return v
+
+    @field_validator("master_digest", "agent_digest")
+    @classmethod
+    def _digest(cls, v: str | None) -> str | None:
+        if v is not None and not _DIGEST.match(v):
+            raise ValueError(f"{v!r} is not an image digest (sha256: and 64 lower-case hex digits; "
+                             "docker buildx imagetools inspect IMAGE prints it)")
+        return v
+
+    def reference_version(self, role: Literal["master", "agent"]) -> str:
+        """What ``det deploy local`` puts after ``determined-<role>:``: the tag, and the digest if pinned."""
+        digest = self.master_digest if role == "master" else self.agent_digest
+        return f"{self.version}@{digest}" if digest else self.version
+
+    def reference(self, role: Literal["master", "agent"]) -> str:
+        """The full image reference ``det deploy local`` runs for ``role``."""
+        return f"{self.repo_prefix}/determined-{role}:{self.reference_version(role)}"
 
     @field_validator("postgres")
     @classmethod
@@ -141,6 +188,61 @@ class BindMount(StrictModel):
         return v
 
 
+def go_duration_seconds(text: str) -> float:
+    """Seconds in a Go duration string such as ``2h`` or ``1h30m`` (ValueError if it is not one)."""
+    if not _GO_DURATION.match(text):
+        raise ValueError(f"{text!r} is not a duration like 2h, 90m or 1h30m")
+    return sum(float(n) * _DURATION_UNITS[u] for n, _, u in re.findall(r"(\d+(\.\d+)?)(ms|h|m|s)", text))
+
+
+class NotebookSettings(StrictModel):
+    """Idle JupyterLab notebooks: the lab-wide default after which Determined ends one.
+
+    Rendered as the master's ``notebook_timeout`` (used for notebooks that set no ``idle_timeout``)
+    and into the notebook template; a user lengthens it per notebook with
+    ``det notebook start --config idle_timeout=8h``. ``idle_timeout: null`` turns it off.
+    """
+
+    idle_timeout: str | None = "2h"
+    idle_type: Literal["kernels_or_terminals", "kernel_connections", "activity"] = "kernels_or_terminals"
+
+    @field_validator("idle_timeout")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None and go_duration_seconds(v) < 60:
+            raise ValueError(f"{v!r} is under a minute; a notebook would end while it starts")
+        return v
+
+    @property
+    def idle_seconds(self) -> int | None:
+        return None if self.idle_timeout is None else int(go_duration_seconds(self.idle_timeout))
+
+
+class BackupSettings(StrictModel):
+    """Backups of the master's database (``det-lab cluster backup``).
+
+    Without ``host``, pg_dump runs inside the master's database container (``docker exec``, on the
+    master machine); with ``host`` (a name, an IP or a socket directory) det_lab's own PostgreSQL
+    client tools connect to it as ``db.user`` with the password in the cluster's ``db-password`` file.
+    """
+
+    dir: Path | None = Field(default=None, description="default: <data_root>/.det-lab/backups")
+    keep_daily: int = Field(default=7, ge=1, description="newest backup of each of the last N days with one")
+    keep_weekly: int = Field(default=4, ge=0, description="newest backup of each of the last M weeks with one")
+    host: str | None = None
+    port: int = Field(default=5432, ge=1, le=65535)
+    pg_bin: Path | None = Field(default=None, description="directory of pg_dump/pg_restore/psql")
+    max_age_hours: int = Field(default=48, ge=1, description="doctor warns when the newest backup is older")
+    on_calendar: str = Field(default="*-*-* 03:15:00", description="systemd OnCalendar= of the nightly timer")
+
+    @field_validator("dir", "pg_bin")
+    @classmethod
+    def _absolute(cls, v: Path | None) -> Path | None:
+        if v is not None and not v.is_absolute():
+            raise ValueError(f"{str(v)!r} must be an absolute path")
+        return v
+
+
 class ClusterSettings(StrictModel):
     """The whole cluster section."""
 
@@ -157,6 +259,8 @@ class ClusterSettings(StrictModel):
     images: ImageSettings = ImageSettings()
     gc: GCSettings = GCSettings()
     db: DBSettings = DBSettings()
+    backup: BackupSettings = BackupSettings()
+    notebooks: NotebookSettings = NotebookSettings()
     log_retention_days: int = Field(default=90, ge=-1, le=32767)
     default_task: TaskUser | None = Field(
         default=None, description="identity of tasks whose user is not linked (Determined's default: root)")

@@ -1,0 +1,87 @@
+"""``det-lab cluster backup / restore / backup-timer``: the master database's backups."""
+
+from __future__ import annotations
+
+import getpass
+from pathlib import Path
+
+import typer
+
+from det_lab.cli.cluster_cmds import _load, app
+from det_lab.cli.common import console, fail
+
+
+@app.command()
+def backup(
+    ctx: typer.Context,
+    to: Path | None = typer.Option(None, "--to", help="Directory (default: backup.dir, else "
+                                   "<data_root>/.det-lab/backups on the shared volume)."),
+    keep_daily: int | None = typer.Option(None, "--keep-daily", min=1,
+                                          help="Keep the newest backup of each of the last N days (default: backup.keep_daily)."),
+    keep_weekly: int | None = typer.Option(None, "--keep-weekly", min=0,
+                                           help="Keep the newest backup of each of the last M weeks (default: backup.keep_weekly)."),
+) -> None:
+    """Dump the master's database (pg_dump -Fc + pg_dumpall --globals-only), then prune old backups."""
+    from det_lab.cluster import backup as b
+
+    lab, cluster = _load(ctx)
+    directory = (to or b.default_backup_dir(lab, cluster)).absolute()
+    try:
+        conn = b.connection(cluster)
+        made = b.backup(conn, directory)
+        removed = b.prune(directory, conn.db, keep_daily or cluster.backup.keep_daily,
+                          cluster.backup.keep_weekly if keep_weekly is None else keep_weekly)
+    except b.BackupError as exc:
+        fail(str(exc))
+    size = made.dump.stat().st_size
+    console.print(f"backup {made.dump} ({size} bytes) and {made.globals_file.name} of {conn.describe()}",
+                  highlight=False, soft_wrap=True)
+    for r in removed:
+        console.print(f"pruned {r.dump.name}", highlight=False)
+
+
+@app.command()
+def restore(
+    ctx: typer.Context,
+    file: Path = typer.Argument(..., help="A .dump file written by 'det-lab cluster backup'."),
+    force: bool = typer.Option(False, "--force", help="Replace a database that is not empty (stop the master first)."),
+) -> None:
+    """Restore a backup into the master's database (empty or missing; --force replaces one)."""
+    from det_lab.cluster import backup as b
+
+    _lab, cluster = _load(ctx)
+    try:
+        conn = b.connection(cluster)
+        b.restore(conn, file, force=force)
+    except b.BackupError as exc:
+        fail(str(exc))
+    console.print(f"restored {file} into {conn.describe()}; roles are in "
+                  f"{file.name.removesuffix(b.DUMP_SUFFIX)}{b.GLOBALS_SUFFIX} (apply with psql if they were lost)",
+                  highlight=False, soft_wrap=True)
+
+
+@app.command("backup-timer")
+def backup_timer(
+    ctx: typer.Context,
+    out: Path | None = typer.Option(None, "--out", help="Write det-lab-backup.service/.timer here (e.g. /etc/systemd/system)."),
+    user: str = typer.Option(getpass.getuser(), "--user", help="Unix user the backup runs as (owns the DB password file)."),
+) -> None:
+    """Render a systemd service and timer that run 'det-lab cluster backup' nightly."""
+    from det_lab.cluster.backup import UNIT_NAME, render_units
+
+    _lab, cluster = _load(ctx)
+    units = render_units(cluster, user=user)
+    files = {f"{UNIT_NAME}.service": units.service, f"{UNIT_NAME}.timer": units.timer}
+    if out is None:
+        for name, text in files.items():
+            typer.echo(f"# --- {name} ---")
+            typer.echo(text, nl=False)
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, text in files.items():
+            (out / name).write_text(text)
+    except OSError as exc:
+        fail(f"cannot write to {out}: {exc.strerror or exc}")
+    console.print(f"wrote {', '.join(files)} to {out}; enable with: systemctl daemon-reload && "
+                  f"systemctl enable --now {UNIT_NAME}.timer", highlight=False, soft_wrap=True)
