@@ -1,4 +1,4 @@
-"""``det-lab runs list|show|tail|cancel``: runs on the volume, whatever ran them (local, Slurm)."""
+"""``det-lab runs list|show|tail|cancel|diff``: runs on the volume, whatever ran them (local, Slurm)."""
 
 from __future__ import annotations
 
@@ -209,3 +209,41 @@ def _cancel_local(run, name: str) -> None:
                   f"(resume it with: det-lab run {run.state().get('template', '<template>')} --local --resume "
                   f"--run {name})", highlight=False)
 
+
+
+@app.command("diff")
+def diff_runs(
+    ctx: typer.Context,
+    a: str = typer.Argument(..., metavar="A", help="A run: its name, a checkpoint UUID, an MLflow run id or Aim run hash."),
+    b: str = typer.Argument(..., metavar="B", help="The other run, named the same ways."),
+    as_json: bool = typer.Option(False, "--json", help="The differences as one JSON object."),
+) -> None:
+    """What differs between two runs: config and hyperparameters, dataset, code (git diff --stat and
+    saved patches), environment, scheduler and host; and their final metrics, side by side."""
+    from rich.table import Table
+
+    from det_lab.reproduce.diff import runs_diff
+    from det_lab.reproduce.find import ReproduceError, locate
+
+    settings = state(ctx).settings
+    try:
+        result = runs_diff(locate(settings, a), locate(settings, b))
+    except (ReproduceError, ValueError) as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(result, default=str))
+        return
+    diffs = result["differences"]
+    table = Table("what", result["a"], result["b"], title=f"{len(diffs)} difference(s)", title_justify="left")
+    for d in diffs:
+        table.add_row(f"{d['section']}: {d['field']}", str(d["a"]), str(d["b"]))
+    console.print(table)
+    if result["code_diff_stat"]:
+        console.print(f"code: git diff --stat {result['a']} -> {result['b']}\n{result['code_diff_stat']}", highlight=False)
+    for side in ("a", "b"):
+        if result["patches"][side]:
+            console.print(f"{result[side]} ran with local changes: {result['patches'][side]}", highlight=False)
+    metrics = Table("final metric", result["a"], result["b"], title_justify="left")
+    for key, vals in result["final_metrics"].items():
+        metrics.add_row(key, *("-" if vals[s] is None else f"{vals[s]:.6g}" for s in ("a", "b")))
+    console.print(metrics)

@@ -38,6 +38,8 @@ METRICS_FILE = "metrics.jsonl"
 TRACKING_SUMMARY_FILE = "tracking-summary.json"
 JOURNAL_DIR = "tracking-journal"
 WORK_DIR = "work"
+#: run.json key of a ``det-lab reproduce`` run: which run (and checkpoint) it reproduces
+REPRODUCES_KEY = "reproduces"
 
 
 def read_run_file(path: Path) -> dict[str, Any]:
@@ -178,6 +180,12 @@ class RunRecord:
             state.setdefault("checkpoints", []).append({"uuid": uuid, "step": step})
             self.save(state)
 
+    def note_lineage(self, lineage: dict[str, Any]) -> None:
+        """Keep the lineage the run started with in ``run.json`` (a resume keeps the first: each
+        checkpoint's metadata has its own)."""
+        if self.keeps_progress and "lineage" not in self.state():
+            self.update(lineage=lineage)
+
     def record_outcome(self, status: str, summary: dict[str, Any] | None) -> None:
         """How the trial ended (FINISHED, KILLED when stopped early, FAILED) and what the mirror delivered."""
         if summary is not None:
@@ -207,7 +215,11 @@ class LocalRunRecord(RunRecord):
         return layout.outputs(project) / cls.runs_dirname
 
     def tracker_tags(self) -> dict[str, str]:
-        return {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
+        tags = {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
+        origin = self.state().get(REPRODUCES_KEY) if self.run_file.is_file() else None
+        if origin:  # a det-lab reproduce run names the run it reproduces
+            tags.update({f"det_lab.reproduces.{k}": str(v) for k, v in origin.items() if v is not None})
+        return tags
 
 
 class ClusterRunRecord(RunRecord):

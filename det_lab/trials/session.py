@@ -40,7 +40,8 @@ from det_lab.tracking.null_mirror import NullMirror
 from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
-from det_lab.trials.lineage import collect_lineage, seed_everything
+from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
+from det_lab.trials.provenance import ENVIRONMENTS_DIR
 from det_lab.trials.record import RunRecord, record_for
 from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone, watch_parent
 from det_lab.volume import VolumeLayout, share_with_group
@@ -97,11 +98,13 @@ class LabSession:
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
-        self.lineage = collect_lineage(self.identity, self.dataset, self.record)
+        environments = VolumeLayout.from_settings(self.settings).outputs(self.identity.project) / ENVIRONMENTS_DIR
+        self.lineage = collect_lineage(self.identity, self.dataset, self.record, environments)
         if self.is_chief:
+            self.record.note_lineage(self.lineage)
             self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking)
             self.mirror.log_params(self.identity.hparams)
-            self.mirror.set_tags(flatten(self.lineage))
+            self.mirror.set_tags(flatten(tracker_view(self.lineage)))
         intercept(self.core, self)
         return self
 

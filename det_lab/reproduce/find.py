@@ -1,0 +1,171 @@
+"""Finding a run's lineage from whatever names it: a run name, a checkpoint UUID, an MLflow run
+id or an Aim run hash.
+
+A local-style run (``det-lab run --local`` / ``--slurm``) keeps its lineage in ``run.json``;
+every checkpoint keeps the lineage of the trial that wrote it in ``metadata.json`` (``det_lab``),
+which is how a cluster run is found; a tracker run carries the lineage as tags and leads to its
+run record (``det.local_run_dir``, or the run key).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from det_lab.settings import LabSettings
+from det_lab.trials.record import LocalRunRecord, iter_records
+from det_lab.volume import VolumeLayout
+
+_UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+_HEX = re.compile(r"^[0-9a-f]{16,64}$")
+
+
+class ReproduceError(RuntimeError):
+    """Why a run cannot be found or rebuilt, as one line."""
+
+
+@dataclass
+class Origin:
+    """A run to reproduce or compare: its lineage and, where det_lab keeps one, its record."""
+
+    ref: str
+    lineage: dict[str, Any]
+    record: LocalRunRecord | None = None
+    checkpoint: dict[str, Any] | None = None  # {"uuid", "step"} when named by a checkpoint
+    found_by: str = "run"
+    tracker: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.record.dir.name if self.record else str(self.lineage.get("run_key", self.ref))
+
+    @property
+    def state(self) -> dict[str, Any]:
+        return self.record.state() if self.record else {}
+
+    @property
+    def config(self) -> dict[str, Any] | None:
+        return self.lineage.get("config") or self.state.get("exp_conf")
+
+    @property
+    def hparams(self) -> dict[str, Any]:
+        return self.lineage.get("hyperparameters") or self.state.get("hparams") or {}
+
+    @property
+    def seed(self) -> int | None:
+        seed = self.lineage.get("seed")
+        return seed if seed is not None else self.state.get("seed")
+
+    @property
+    def patch_file(self) -> Path | None:
+        """The saved local changes of a dirty run (next to its record)."""
+        code = self.lineage.get("code") or {}
+        if not code.get("patch") or self.record is None:
+            return None
+        return self.record.dir / code["patch"]
+
+    def metrics(self) -> list[dict[str, Any]]:
+        return self.record.metrics() if self.record else []
+
+
+def locate(settings: LabSettings, ref: str) -> Origin:
+    """The run ``ref`` names (see the module docstring); :class:`ReproduceError` if none does."""
+    layout = VolumeLayout.from_settings(settings)
+    records = [r for p in sorted(settings.projects) for r in iter_records(layout, p)]
+    for record in records:
+        if record.dir.name == ref:
+            return _from_record(ref, record)
+    if _UUID.match(ref):
+        return _from_checkpoint(layout, ref, records)
+    if _HEX.match(ref):
+        tags, tracker = _tracker_tags(settings, ref)
+        if tags is not None:
+            return _from_tags(ref, tags, tracker, records)
+    raise ReproduceError(f"{ref!r} names no run, checkpoint or tracker run on {settings.data_root} "
+                         "(runs: det-lab runs list; checkpoints: their UUID; MLflow: the run id; Aim: the run hash)")
+
+
+def _from_record(ref: str, record: LocalRunRecord) -> Origin:
+    state = record.state()
+    lineage = state.get("lineage")
+    if not lineage:
+        raise ReproduceError(f"run {record.dir.name} has no det_lab lineage in {record.run_file} "
+                             "(it never started, or ran before det_lab recorded lineage)")
+    return Origin(ref, lineage, record)
+
+
+def _record_by_key(records: list[LocalRunRecord], run_key: str | None) -> LocalRunRecord | None:
+    for record in records:
+        try:
+            if run_key and record.state().get("run_key") == run_key:
+                return record
+        except ValueError:
+            continue
+    return None
+
+
+def find_checkpoint(layout: VolumeLayout, uuid: str) -> Path | None:
+    """The directory of checkpoint ``uuid`` under ``<data root>/checkpoints`` (a project's
+    directory, or an experiment's ``storage_path`` one level deeper)."""
+    for pattern in (f"*/{uuid}", f"*/*/{uuid}", uuid):
+        for found in layout.checkpoints.glob(pattern):
+            if (found / "metadata.json").is_file():
+                return found
+    return None
+
+
+def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunRecord]) -> Origin:
+    where = find_checkpoint(layout, uuid)
+    if where is None:
+        raise ReproduceError(f"checkpoint {uuid} is not under {layout.checkpoints} (no metadata.json found)")
+    meta = json.loads((where / "metadata.json").read_text())
+    lineage = meta.get("det_lab")
+    if not lineage:
+        raise ReproduceError(f"checkpoint {uuid} ({where}) has no det_lab lineage in its metadata.json: "
+                             "it was not written by a det_lab trial")
+    record = _record_by_key(records, lineage.get("run_key"))
+    step = int(meta.get("steps_completed", 0))
+    return Origin(uuid, lineage, record, {"uuid": uuid, "step": step, "dir": str(where)}, "checkpoint")
+
+
+def _tracker_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str] | None, dict[str, str]]:
+    """The tags of tracker run ``ref``: an MLflow run id, else an Aim run hash."""
+    tracking = settings.tracking
+    if tracking.mlflow_uri or tracking.backend in ("mlflow", "both"):
+        from det_lab.tracking.mlflow_reader import _client
+
+        try:
+            run = _client(settings).get_run(ref)
+            return dict(run.data.tags), {"mlflow_run_id": ref}
+        except Exception:  # noqa: BLE001 (no such run, or the server does not answer: try Aim)
+            pass
+    if tracking.aim_repo or tracking.backend in ("aim", "both"):
+        from det_lab.tracking.aim_backend import META_SECTION
+        from det_lab.tracking.aim_reader import _repo
+
+        try:
+            run = _repo(settings).get_run(ref)
+        except Exception:  # noqa: BLE001
+            run = None
+        if run is not None:
+            return {str(k): str(v) for k, v in (run.get(META_SECTION) or {}).items()}, {"aim_run_hash": ref}
+    return None, {}
+
+
+def _from_tags(ref: str, tags: dict[str, str], tracker: dict[str, str], records: list[LocalRunRecord]) -> Origin:
+    which = next(iter(tracker), "tracker").replace("_", " ")
+    record_dir = tags.get("det.local_run_dir")
+    record = None
+    if record_dir and (Path(record_dir) / "run.json").is_file():
+        record = next((r for r in records if r.dir == Path(record_dir)), None)
+    record = record or _record_by_key(records, tags.get("run_key") or tags.get("det_lab.run_key"))
+    if record is not None and record.state().get("lineage"):
+        return Origin(ref, record.state()["lineage"], record, None, which, tracker)
+    if "run_key" not in tags and "code_commit" not in tags and "det_lab_version" not in tags:
+        raise ReproduceError(f"{which} {ref} has no det_lab lineage (no run_key, code or dataset tags): "
+                             "it was not logged by a det_lab trial")
+    raise ReproduceError(f"{which} {ref} has det_lab lineage but its run record is not on this volume "
+                         "(a cluster run): reproduce it from one of its checkpoints (det-lab reproduce <UUID>)")

@@ -1,0 +1,133 @@
+"""Re-running a recorded run: the same code (a scratch worktree at its commit, its saved patch
+applied), the same dataset revision (pinned to its commit and checked by content hash), the same
+config, hyperparameters and seed; from the start, or from one of its checkpoints.
+
+The scratch tree and the config as re-run live in ``<data root>/outputs/<project>/reproduce/<new
+run>/`` (``code/``, ``config.yaml``); the new run is an ordinary run of the record layer, whose
+``run.json`` names the run it reproduces (``reproduces``), which its tracker run carries as
+``det_lab.reproduces.*`` tags.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from det_lab.reproduce.code import checkout, remove
+from det_lab.reproduce.find import Origin, ReproduceError
+from det_lab.settings import LabSettings
+from det_lab.trials.record import REPRODUCES_KEY, LocalRunRecord
+from det_lab.volume import VolumeLayout
+
+REPRODUCE_DIR = "reproduce"
+
+
+@dataclass
+class Plan:
+    """A reproduction ready to start."""
+
+    origin: Origin
+    record: LocalRunRecord
+    cwd: Path
+    command: list[str]
+    scratch: Path
+    from_step: int = 0
+
+
+def pinned_config(origin: Origin) -> dict[str, Any]:
+    """The run's config as run, its dataset pinned to the recorded revision and its
+    hyperparameters to the recorded values."""
+    if not origin.config:
+        raise ReproduceError(f"run {origin.name} recorded no experiment config: it cannot be re-run")
+    conf = copy.deepcopy(origin.config)
+    lab = conf.setdefault("data", {}).setdefault("det_lab", {})
+    ds = origin.lineage.get("dataset")
+    from det_lab.data.directory import DIRECTORY_REV
+
+    if ds and ds.get("rev") == DIRECTORY_REV:  # a directory read in place: the same directory, hash checked
+        lab["dataset"] = {"dir": ds["repo"]}
+    elif ds:
+        lab["dataset"] = {"repo": ds["repo"], "path": ds["path"], "rev": ds["commit"]}
+    conf["hyperparameters"] = copy.deepcopy(origin.hparams)
+    return conf
+
+
+def serve_dataset(settings: LabSettings, origin: Origin, conf: dict[str, Any]) -> dict[str, Any] | None:
+    """Pull the pinned revision now (shared cache, else the DVC remote) and check its content
+    hash; a one-line :class:`ReproduceError` when its objects are gone."""
+    from det_lab.data import lookup, pull
+    from det_lab.data.errors import DataError
+    from det_lab.trials.expconf import lab_section
+
+    ds = origin.lineage.get("dataset")
+    if not ds:
+        return None
+    what = f"dataset {ds['path']} at {ds['commit'][:12]} of {ds['repo']} (md5 {ds['md5']})"
+    try:
+        spec = lab_section(conf).dataset_spec(lambda name: lookup(settings, name))
+        pulled = pull(spec, settings, progress=False)
+    except DataError as exc:
+        raise ReproduceError(f"{what} cannot be served: {exc}") from None
+    if pulled.identity.md5 != ds["md5"]:
+        raise ReproduceError(f"{what}: that revision now holds md5 {pulled.identity.md5}; the recorded bytes are gone")
+    return {"md5": pulled.identity.md5, "path": str(pulled.path)}
+
+
+def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, continue_: bool = False,
+            record_cls: type[LocalRunRecord] = LocalRunRecord) -> Plan:
+    """Check out the code, serve the data and create the new run (nothing runs yet)."""
+    from det_lab.trials import local
+    from det_lab.trials.expconf import lab_section
+
+    code = origin.lineage.get("code")
+    if not code or not code.get("commit"):
+        raise ReproduceError(f"run {origin.name} recorded no code repository and commit (its code was not in git): "
+                             "it cannot be rebuilt")
+    conf = pinned_config(origin)
+    project = lab_section(conf).project
+    start = _start_checkpoint(origin) if continue_ else None
+    serve_dataset(settings, origin, conf)
+    base = origin.name if len(origin.name) < 60 else origin.name[:60]
+    name = name or f"{base}-repro-{dt.datetime.now():%H%M%S}-{uuid.uuid4().hex[:4]}"
+    scratch = VolumeLayout.from_settings(settings).outputs(project) / REPRODUCE_DIR / name
+    if scratch.exists():
+        raise ReproduceError(f"{scratch} exists: choose another --run name")
+    scratch.mkdir(parents=True)
+    try:  # a refusal leaves nothing behind: no scratch tree, no worktree registered
+        template = checkout(code, scratch / "code", origin.patch_file)
+        config = scratch / "config.yaml"
+        config.write_text(yaml.safe_dump(conf, sort_keys=False))
+        record, cwd, command = local.prepare(settings, str(template), config, False, origin.seed,
+                                             record_cls=record_cls, name=name)
+    except (ReproduceError, local.RunError, OSError) as exc:
+        if (scratch / "code").exists():
+            remove(code, scratch / "code")
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise ReproduceError(str(exc)) from None
+    summary = origin.record.tracking_summary() if origin.record else None
+    tracker_run = next((b["run_id"] for b in (summary or {}).get("backends", [])), None)
+    reproduces = {"run": origin.name, "run_key": origin.lineage.get("run_key"), "found_by": origin.found_by,
+                  "ref": origin.ref, "tracker_run": tracker_run, **origin.tracker,
+                  "checkpoint": start["uuid"] if start else None}
+    changes: dict[str, Any] = {REPRODUCES_KEY: reproduces}
+    if start:
+        changes.update(latest_checkpoint=start["uuid"], latest_checkpoint_step=start["step"],
+                       checkpoints=[{"uuid": start["uuid"], "step": start["step"]}])
+    record.update(**changes)
+    return Plan(origin, record, cwd, command, scratch, start["step"] if start else 0)
+
+
+def _start_checkpoint(origin: Origin) -> dict[str, Any]:
+    if origin.checkpoint:
+        return origin.checkpoint
+    state = origin.state
+    if not state.get("latest_checkpoint"):
+        raise ReproduceError(f"run {origin.name} has no checkpoint to continue from")
+    return {"uuid": state["latest_checkpoint"], "step": int(state.get("latest_checkpoint_step") or 0)}

@@ -1,0 +1,197 @@
+"""det-lab reproduce and runs diff on real tiny trials: code in a real git repository (its commit
+moved on, a run from a dirty tree), a DVC dataset whose branch moves to a new revision, a real
+MLflow server, checkpoints on the data root."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from det_lab.settings import load_settings
+from det_lab.volume import init_volume
+from tests.conftest import Lab, publish_tiny_data
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
+GIT_ID = ["-c", "user.name=t", "-c", "user.email=t@example.com"]
+
+
+def git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *GIT_ID, *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def runs_dir(lab: Lab) -> Path:
+    return lab.root / "outputs" / "vla" / "local-runs"
+
+
+def state(lab: Lab, name: str) -> dict:
+    return json.loads((runs_dir(lab) / name / "run.json").read_text())
+
+
+def losses(lab: Lab, name: str) -> list[tuple[str, int, dict]]:
+    lines = (runs_dir(lab) / name / "metrics.jsonl").read_text().splitlines()
+    return [(m["group"], m["step"], m["metrics"]) for m in map(json.loads, lines)]
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def world(mlflow_server, tmp_path_factory):
+    """A lab tracking to MLflow, the tiny dataset published, the tiny trial committed in a git
+    repository of its own, and one run ``orig`` of it at that commit."""
+    tmp = tmp_path_factory.mktemp("repro")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER")) and k != "XDG_DATA_HOME"}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               HOME=str(tmp / "home"))
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    publish_tiny_data(settings, tmp)
+    repo = tmp / "code"
+    shutil.copytree(TINY, repo / "trial", ignore=shutil.ignore_patterns("__pycache__"))
+    git(repo, "init", "--quiet", "--initial-branch=main")
+    git(repo, "add", ".")
+    git(repo, "commit", "--quiet", "-m", "tiny trial")
+    lab.repo, lab.settings, lab.tmp = repo, settings, tmp
+    lab.first_commit = git(repo, "rev-parse", "HEAD")
+    ok(lab.cli("run", str(repo / "trial"), "--local", "--run", "orig"))
+    lab.mlflow = MlflowClient(mlflow_server.uri)
+    return lab
+
+
+MSE = "loss = torch.nn.functional.mse_loss(self.model(x), y)"
+
+
+def edit(path: Path, old: str, new: str) -> None:
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+@pytest.fixture(scope="module")
+def moved(world):
+    """Main moved on: a new commit changes the loss, the dataset's branch moves to new data, and
+    run ``newer`` trains on both with one hyperparameter changed."""
+    import numpy as np
+
+    from det_lab.data.publish import publish_directory
+
+    edit(world.repo / "trial" / "train.py", MSE, "loss = torch.nn.functional.smooth_l1_loss(self.model(x), y)")
+    git(world.repo, "commit", "--quiet", "-am", "smooth L1 loss")
+    src = world.tmp / "tiny-v2"
+    src.mkdir()
+    rng = np.random.default_rng(7)
+    x = rng.uniform(-1, 1, (512, 1))
+    xy = np.hstack([x, -2 * x + 1.5 + rng.normal(0, 0.05, (512, 1))])
+    np.savetxt(src / "train.csv", xy[:400], delimiter=",")
+    np.savetxt(src / "val.csv", xy[400:], delimiter=",")
+    publish_directory(world.settings, "vla", "tiny-data", src, "tiny regression data v2")
+    ok(world.cli("run", str(world.repo / "trial"), "--local", "--run", "newer", "--set", "hyperparameters.lr=0.1"))
+    return world
+
+
+def reproduce(lab: Lab, *args: str) -> tuple[str, dict]:
+    """``det-lab reproduce ARGS --run <new>``: its output and the new run's run.json."""
+    name = f"repro-{len(list(runs_dir(lab).iterdir()))}"
+    out = ok(lab.cli("reproduce", *args, "--run", name))
+    return out, state(lab, name)
+
+
+def test_reproduce_by_run_name_uses_old_code_and_old_data(moved):
+    lab = moved
+    out, new = reproduce(lab, "orig")
+    assert "verdict: reproduced exactly" in out
+    orig, newer = state(lab, "orig"), state(lab, "newer")
+    # bitwise the same metrics, step by step; not those of the code and data main has now
+    assert losses(lab, new["name"]) == losses(lab, "orig")
+    assert [m for m in losses(lab, "newer") if m[0] == "training"] != [m for m in losses(lab, "orig") if m[0] == "training"]
+    # what it ran: the first commit (in a scratch worktree) and the first dataset revision
+    assert new["lineage"]["code"]["commit"] == lab.first_commit != newer["lineage"]["code"]["commit"]
+    assert new["lineage"]["dataset"]["md5"] == orig["lineage"]["dataset"]["md5"] != newer["lineage"]["dataset"]["md5"]
+    assert MSE in (Path(new["cwd"]) / "train.py").read_text()
+    assert new["reproduces"]["run"] == "orig" and new["reproduction"]["verdict"] == "reproduced exactly"
+    # the new tracker run says what it reproduces
+    run_id = json.loads((runs_dir(lab) / new["name"] / "tracking-summary.json").read_text())["backends"][0]["run_id"]
+    tags = lab.mlflow.get_run(run_id).data.tags
+    assert tags["det_lab.reproduces.run"] == "orig" and tags["code.commit"] == lab.first_commit
+
+
+def test_reproduce_by_checkpoint_uuid_with_an_environment_changed(moved):
+    lab = moved
+    orig = state(lab, "orig")
+    env_file = Path(orig["lineage"]["environment"]["file"])
+    lines = env_file.read_text().splitlines()
+    numpy_now = next(line for line in lines if line.startswith("numpy=="))
+    env_file.write_text("\n".join("numpy==1.0.0" if line == numpy_now else line for line in lines) + "\n")
+    try:
+        out, new = reproduce(lab, orig["latest_checkpoint"])
+    finally:
+        env_file.write_text("\n".join(lines) + "\n")
+    assert "environment: 1 difference(s) from the run's" in out
+    row = next(line for line in out.splitlines() if "numpy" in line)
+    assert "1.0.0" in row and numpy_now.split("==")[1] in row
+    assert "found by checkpoint" in out and "verdict: reproduced exactly" in out
+    assert losses(lab, new["name"]) == losses(lab, "orig")
+
+
+def test_reproduce_by_mlflow_run_id(moved):
+    lab = moved
+    summary = json.loads((runs_dir(lab) / "orig" / "tracking-summary.json").read_text())
+    run_id = summary["backends"][0]["run_id"]
+    out, new = reproduce(lab, run_id)
+    assert "found by mlflow run id" in out and "verdict: reproduced exactly" in out
+    assert losses(lab, new["name"]) == losses(lab, "orig")
+    assert new["reproduces"]["mlflow_run_id"] == run_id
+
+
+def test_continue_from_a_middle_checkpoint_equals_the_original_from_there(moved):
+    lab = moved
+    middle = next(c for c in state(lab, "orig")["checkpoints"] if c["step"] == 40)
+    out, new = reproduce(lab, middle["uuid"], "--continue")
+    assert f"from checkpoint {middle['uuid']} (step 40)" in out and "verdict: reproduced exactly" in out
+    after = [m for m in losses(lab, "orig") if m[1] > 40]
+    assert losses(lab, new["name"]) == after  # it started at step 40: nothing before, all after equal
+    assert min(m[1] for m in after) == 50
+
+
+def test_dirty_tree_reproduces_from_its_saved_patch(moved):
+    lab = moved
+    train = lab.repo / "trial" / "train.py"
+    smooth = "loss = torch.nn.functional.smooth_l1_loss(self.model(x), y)"
+    edit(train, smooth, f"loss = scale.FACTOR * {smooth.removeprefix('loss = ')}")
+    edit(train, "import numpy as np\n", "import numpy as np\nimport scale\n")
+    (lab.repo / "trial" / "scale.py").write_text("FACTOR = 3.0\n")  # untracked
+    ok(lab.cli("run", str(lab.repo / "trial"), "--local", "--run", "dirty"))
+    git(lab.repo, "checkout", "--", "trial/train.py")
+    (lab.repo / "trial" / "scale.py").unlink()
+    dirty = state(lab, "dirty")["lineage"]["code"]
+    assert dirty["dirty"] and (runs_dir(lab) / "dirty" / "code.patch").is_file()
+    out, new = reproduce(lab, "dirty")
+    assert "+ its saved local changes" in out and "verdict: reproduced exactly" in out
+    assert losses(lab, new["name"]) == losses(lab, "dirty")
+    assert (Path(new["cwd"]) / "scale.py").read_text() == "FACTOR = 3.0\n"
+    assert new["lineage"]["code"]["patch_sha256"] == dirty["patch_sha256"]
+    assert git(lab.repo, "status", "--porcelain") == ""  # the user's tree is left as it was
+
+
+def test_runs_diff_names_exactly_the_three_differences(moved):
+    lab = moved
+    result = json.loads(ok(lab.cli("runs", "diff", "orig", "newer", "--json")))
+    found = {(d["section"], d["field"]) for d in result["differences"]}
+    assert found == {("hyperparameters", "lr"), ("dataset", "commit"), ("dataset", "md5"), ("code", "commit")}
+    assert "trial/train.py" in result["code_diff_stat"]
+    lr = next(d for d in result["differences"] if d["field"] == "lr")
+    assert (lr["a"], lr["b"]) == ("0.05", "0.1")
+    assert set(result["final_metrics"]) >= {"training/loss", "validation/val_loss"}
+    table = ok(lab.cli("runs", "diff", "orig", "newer"))
+    assert "4 difference(s)" in table and "hyperparameters: lr" in table and "code: commit" in table
