@@ -8,6 +8,7 @@ runs itself as the subprocess's script (its ``__main__`` calls what it needs).
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 import subprocess
@@ -28,6 +29,7 @@ def skip_without_lerobot() -> pytest.MarkDecorator:
     return pytest.mark.skipif(bool(missing), reason=f"needs {', '.join(missing)}: tests/setup.sh installs them")
 
 
+@functools.cache
 def import_lerobot_dataset() -> Any:
     """LeRobot's ``LeRobotDataset`` class, importable beside the CPU torch."""
     import torch

@@ -4,9 +4,6 @@ and against Determined's own schema."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +13,9 @@ from det_lab.cluster.config import render_master
 from det_lab.cluster.settings import load_cluster_settings
 from det_lab.settings import load_settings
 from det_lab.volume import VolumeLayout
+from tests import expconf
 
 REPO = Path(__file__).resolve().parents[1]
-VALIDATOR = REPO.parent / "shared" / "tools" / "validate-expconf"
 CONFIGS = sorted(p for p in (REPO / "experiment_templates").glob("*/*.yaml")
                  if "det_lab" in (yaml.safe_load(p.read_text()).get("data") or {}))
 
@@ -51,11 +48,8 @@ def test_cluster_and_local_checkpoints_of_a_project_share_one_directory(lab, con
     assert any(expected.is_relative_to(m) for m in mounts)
 
 
-@pytest.mark.skipif(not VALIDATOR.exists(), reason="Determined's schema validator is not in ../shared/tools")
 def test_template_configs_pass_determineds_schema():
-    check = subprocess.run([str(VALIDATOR), *map(str, CONFIGS)], capture_output=True, text=True,
-                           env={**os.environ, "PYTHON": sys.executable})
-    assert check.returncode == 0, check.stdout + check.stderr
+    expconf.assert_valid(CONFIGS)
 
 
 def test_a_config_without_storage_path_keeps_local_checkpoints_per_project(tmp_path):

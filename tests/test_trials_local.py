@@ -20,6 +20,7 @@ from mlflow.tracking import MlflowClient
 from det_lab.settings import load_settings
 from det_lab.trials.local import entry_command, sample_hparams
 from det_lab.volume import init_volume
+from tests import expconf
 from tests.conftest import VENV_BIN, Lab, publish_tiny_data
 from tests.test_bad_inputs import cli as cli_in_process
 
@@ -267,9 +268,4 @@ def test_entrypoints_and_hyperparameter_samples():
 
 
 def test_fixture_configs_pass_determined_schema():
-    validator = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
-    if not validator.exists():
-        pytest.skip("Determined's validator (../shared/tools/validate-expconf) is not beside this checkout")
-    proc = subprocess.run([str(validator), *map(str, sorted(TINY.glob("*.yaml")))], capture_output=True, text=True,
-                          env={**os.environ, "PYTHON": str(VENV_BIN / "python")})
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    expconf.assert_valid(sorted(TINY.glob("*.yaml")))

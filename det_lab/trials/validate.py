@@ -124,15 +124,18 @@ _RESOURCES = {
 }
 
 
-def determined_errors(conf: Mapping[str, Any]) -> list[str]:
+def determined_errors(conf: Mapping[str, Any], *, template: bool = False) -> list[str]:
     """What a Determined 0.38.1 master would reject in ``conf``: ``key: problem`` lines (the
-    first problem of each top-level section)."""
+    first problem of each top-level section). A config ``template`` is merged into configs by the
+    master, so what it leaves out (a searcher, say) is not missing."""
     problems = []
     try:
         _keys(conf, "", _TOP_LEVEL)
     except _Fail as exc:
         return [str(exc)]
     for name, kind in _TOP_LEVEL.items():
+        if template and conf.get(name) is None:
+            continue
         try:
             if kind is not None:
                 _check(conf.get(name), name, kind)
