@@ -289,3 +289,71 @@ def test_tracking_the_tasks_cannot_reach_is_warned_with_the_fix(lab, tracking, w
     env = rendered(lab)["master.yaml"]["task_container_defaults"]["environment_variables"]
     uri = tracking.get("mlflow_uri", "")
     assert (f"MLFLOW_TRACKING_URI={uri}" in env) == uri.startswith("http")
+
+
+def _validate_expconf(path: Path) -> None:
+    """Determined 0.38.1's expconf schemas (the shared validator), where this checkout has them."""
+    import os
+    import subprocess
+    import sys
+
+    validator = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
+    if validator.exists():
+        check = subprocess.run([str(validator), str(path)], capture_output=True, text=True,
+                               env={**os.environ, "PYTHON": sys.executable})
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+@pytest.mark.parametrize("notebooks, seconds, timeout, kind", [
+    ({}, 7200, "2h", "kernels_or_terminals"),  # the lab-wide default
+    ({"idle_timeout": "1h30m", "idle_type": "activity"}, 5400, "1h30m", "activity"),
+    ({"idle_timeout": None}, None, None, "kernels_or_terminals"),  # turned off
+])
+def test_idle_notebook_default_is_rendered_into_master_and_notebook_template(lab, tmp_path, notebooks, seconds,
+                                                                             timeout, kind):
+    from determined.cli.ntsc import parse_config
+
+    from det_lab.cluster.schema import notebook_template_errors
+
+    write_cluster(lab, {"notebooks": notebooks} if notebooks else {})
+    master = rendered(lab)["master.yaml"]
+    assert master.get("notebook_timeout") == seconds and master_errors(master) == []
+    out = tmp_path / "nb.yaml"
+    proc = invoke(lab, "cluster", "template", "--notebook", "--out", str(out))
+    assert proc.exit_code == 0, proc.stderr
+    tpl = yaml.safe_load(out.read_text())
+    assert tpl.get("idle_timeout") == timeout and tpl["notebook_idle_type"] == kind
+    assert f"{lab.root}/datasets" in {m["container_path"] for m in tpl["bind_mounts"]}
+    assert notebook_template_errors(tpl) == []
+    # what the template shares with an experiment config passes Determined's schema
+    shared = tmp_path / "shared.yaml"
+    shared.write_text(yaml.safe_dump({k: v for k, v in tpl.items() if k not in ("idle_timeout", "notebook_idle_type")}))
+    _validate_expconf(shared)
+    # the experiment template stays free of notebook-only keys (an experiment config refuses them)
+    plain = yaml.safe_load(invoke(lab, "cluster", "template").stdout)
+    assert "idle_timeout" not in plain and "notebook_idle_type" not in plain
+    # one notebook lengthened: det's CLI sends the value as the notebook's own config, over the template
+    own = parse_config(None, None, ["idle_timeout=8h"], [])
+    assert own == {"idle_timeout": "8h"} and notebook_template_errors({**tpl, **own}) == []
+
+
+@pytest.mark.parametrize("notebooks, message", [
+    ({"idle_timeout": "2 hours"}, "notebooks.idle_timeout: '2 hours' is not a duration like 2h"),
+    ({"idle_timeout": "30s"}, "notebooks.idle_timeout: '30s' is under a minute"),
+    ({"idle_type": "idle"}, "notebooks.idle_type:"),
+])
+def test_bad_idle_setting_is_one_line(lab, notebooks, message):
+    write_cluster(lab, {"notebooks": notebooks})
+    for cmd in (("cluster", "config"), ("cluster", "template", "--notebook")):
+        proc = invoke(lab, *cmd)
+        lines = [ln for ln in proc.stderr.splitlines() if not ln.startswith("warning: ")]
+        assert proc.exit_code == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_notebook_template_check_catches_what_determined_would_refuse():
+    from det_lab.cluster.schema import notebook_template_errors
+
+    assert notebook_template_errors({"idle_timeout": "2h", "notebook_idle_type": "activity"}) == []
+    errors = notebook_template_errors({"idle_timeout": "two hours", "notebook_idle_type": "sleepy",
+                                       "searcher": {"name": "single"}})
+    assert len(errors) == 3 and errors[0].startswith("searcher:") and "idle_timeout" in errors[1]

@@ -304,3 +304,58 @@ def test_old_postgres_volume_is_refused_with_a_migration_hint():
     msg = str(exc.value)
     assert "\n" not in msg and "determined_determined-db_1 exited: FATAL:  database files are incompatible" in msg
     assert "pg_dump" in msg
+
+
+# --- images named by tag or pinned by digest (the community fork's images on ghcr.io) ----------------
+
+MASTER_DIGEST, AGENT_DIGEST = "sha256:" + "1f" * 32, "sha256:" + "a2" * 32
+
+
+def test_pinned_fork_images_reach_the_containers_det_deploy_local_runs(lab, tmp_path, monkeypatch, master_info):
+    init(lab)
+    (lab.root / ".det-lab" / "cluster.yaml").write_text(yaml.safe_dump({
+        "master_host": "127.0.0.1", "master_port": master_info, "agent": {"gpu": False},
+        "images": {"repo_prefix": "ghcr.io/wu-cvgl", "version": "0.42.0",
+                   "master_digest": MASTER_DIGEST, "agent_digest": AGENT_DIGEST}}))
+    dep = import_deploy()
+    monkeypatch.setattr(dep, "_docker_client", None)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    lab_settings = load_settings(lab.config, env={})
+    fake = RecordingDocker()
+    deploy.up(lab_settings, load_cluster_settings(lab_settings), tmp_path / "private", "gpu-a", client=fake)
+    runs = {r["name"]: r for r in fake.runs}
+    assert runs["determined_determined-master_1"]["image"] == f"ghcr.io/wu-cvgl/determined-master:0.42.0@{MASTER_DIGEST}"
+    assert runs["gpu-a"]["image"] == f"ghcr.io/wu-cvgl/determined-agent:0.42.0@{AGENT_DIGEST}"
+    # the dry-run plan names the same references and has nothing left to pin
+    plan = dry_run(lab, "up", "--agent-id", "gpu-a")
+    roles = by_role(plan)
+    assert roles["master"]["image"] == runs["determined_determined-master_1"]["image"]
+    assert roles["agent"]["image"] == runs["gpu-a"]["image"]
+    assert not any("named by tag only" in n for n in plan["notes"])
+
+
+def test_images_named_by_tag_say_how_to_pin(lab):
+    plan = dry_run(lab, "up", "--agent-id", "gpu-a")
+    pins = [n for n in plan["notes"] if "named by tag only" in n]
+    assert len(pins) == 2 and "images.master_digest" in pins[0] and "images.agent_digest" in pins[1]
+    assert "docker buildx imagetools inspect determinedai/determined-master:0.38.1" in pins[0]
+    agent_pins = [n for n in dry_run(lab, "agent-up", "gpu-a.lab")["notes"] if "named by tag only" in n]
+    assert len(agent_pins) == 1 and "images.agent_digest" in agent_pins[0]
+
+
+@pytest.mark.parametrize("images, message", [
+    ({"version": "0.42.0@sha256:abc"}, "images.version: '0.42.0@sha256:abc' is not an image tag"),
+    ({"version": "latest tag"}, "images.version: 'latest tag' is not an image tag"),
+    ({"master_digest": "sha256:1234"}, "images.master_digest: 'sha256:1234' is not an image digest"),
+    ({"agent_digest": "md5:" + "a" * 32}, "images.agent_digest:"),
+    ({"master_digest": "SHA256:" + "A" * 64}, "images.master_digest:"),
+    ({"repo_prefix": "https://ghcr.io/wu-cvgl"}, "images.repo_prefix:"),
+])
+def test_bad_image_tag_or_digest_is_one_line(lab, images, message):
+    cfg = lab.root / ".det-lab" / "cluster.yaml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(yaml.safe_dump({"images": images}))
+    for cmd in (("cluster", "up", "--dry-run"), ("cluster", "agent-up", "gpu-a.lab", "--dry-run"), ("cluster", "config")):
+        proc = invoke(lab, *cmd)
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.exit_code == 2 and len(lines) == 1 and message in lines[0] and str(cfg) in lines[0], proc.stderr

@@ -324,9 +324,11 @@ def link_users(
 @app.command()
 def template(
     ctx: typer.Context,
-    name: str = typer.Option("det-lab", help="Template name in Determined."),
+    name: str | None = typer.Option(None, help="Template name in Determined (default: det-lab, det-lab-notebook)."),
     out: Path | None = typer.Option(None, "--out", help="Write the template here (default: print it)."),
     apply: bool = typer.Option(False, "--apply", help="Register it with the master (det template create)."),
+    notebook: bool = typer.Option(False, "--notebook", help="The JupyterLab template: also the lab's idle "
+                                  "timeout (notebooks.idle_timeout; lengthen one with --config idle_timeout=8h)."),
 ) -> None:
     """Render det_lab's config template (volume mounts, variables) and optionally register it.
 
@@ -335,12 +337,14 @@ def template(
     """
     import yaml
 
-    from det_lab.cluster.config import render_task_template
+    from det_lab.cluster.config import render_notebook_template, render_task_template
     from det_lab.cluster.secrets import private_dir
 
     lab, cluster = _load(ctx)
     _warn_tracking(lab)
-    text = yaml.safe_dump(render_task_template(lab, cluster), sort_keys=False)
+    name = name or ("det-lab-notebook" if notebook else "det-lab")
+    render = render_notebook_template if notebook else render_task_template
+    text = yaml.safe_dump(render(lab, cluster), sort_keys=False)
     if out is not None:
         out.write_text(text)
         console.print(f"wrote {out}", highlight=False)

@@ -180,6 +180,9 @@ def render_master(lab: LabSettings, cluster: ClusterSettings, *,
     }
     if security:
         conf["security"] = security
+    if cluster.notebooks.idle_seconds is not None:
+        # for notebooks that set no idle_timeout of their own (master/internal/api_notebook.go)
+        conf["notebook_timeout"] = cluster.notebooks.idle_seconds
     return conf
 
 
@@ -213,3 +216,20 @@ def render_task_template(lab: LabSettings, cluster: ClusterSettings) -> dict[str
     if cluster.images.task:
         environment["image"] = {"cpu": cluster.images.task, "cuda": cluster.images.task}
     return {"bind_mounts": bind_mounts(lab, cluster), "environment": environment}
+
+
+def render_notebook_template(lab: LabSettings, cluster: ClusterSettings) -> dict[str, Any]:
+    """The task template plus the lab's idle rule for JupyterLab (``det notebook start --template``).
+
+    A separate template: ``idle_timeout`` and ``notebook_idle_type`` are fields of a notebook's
+    config (Determined's ``model.CommandConfig``) that an experiment config refuses (its schema
+    allows no other keys), so they cannot go into the template experiments use. A user lengthens
+    the limit for one notebook with ``--config idle_timeout=8h``: a launch's own config is merged
+    over its template.
+    """
+    conf = render_task_template(lab, cluster)
+    nb = cluster.notebooks
+    if nb.idle_timeout is not None:
+        conf["idle_timeout"] = nb.idle_timeout
+    conf["notebook_idle_type"] = nb.idle_type
+    return conf

@@ -243,7 +243,8 @@ def up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str,
 
     # a password master_up finds weak makes it generate one and dump the config to a temp file
     authentication.check_password_complexity(prepared.secrets.admin.value)
-    prefix, version = cluster.images.repo_prefix, cluster.images.version
+    # a pinned digest rides in the tag slot: det deploy local runs "<prefix>/determined-master:<tag>@sha256:..."
+    prefix, version = cluster.images.repo_prefix, cluster.images.reference_version("master")
     with _guard_deploy_errors("starting the master"), supported_postgres(dep, cluster, client, out):
         dep.master_up(
             port=cluster.master_port, initial_user_password=None, master_config_path=prepared.master_yaml,
@@ -277,7 +278,7 @@ def _start_agent(dep: ModuleType, cluster: ClusterSettings, config: Path, agent_
         dep.agent_up(
             master_host=cluster.master_host, master_port=cluster.master_port, agent_config_path=config,
             agent_name=agent_id, agent_resource_pool=pool, image_repo_prefix=cluster.images.repo_prefix,
-            version=cluster.images.version, gpu=use_gpus(cluster), autorestart=True,
+            version=cluster.images.reference_version("agent"), gpu=use_gpus(cluster), autorestart=True,
             cluster_name=cluster.cluster_name, labels={"determined.cluster": cluster.cluster_name},
         )
 

@@ -125,9 +125,8 @@ def use_gpus(cluster: ClusterSettings) -> bool:
 
 
 def _agent(cluster: ClusterSettings, private: Path, agent_id: str, pool: str) -> ContainerPlan:
-    prefix, version = cluster.images.repo_prefix, cluster.images.version
     return ContainerPlan(
-        role="agent", name=agent_id, image=f"{prefix}/determined-agent:{version}",
+        role="agent", name=agent_id, image=cluster.images.reference("agent"),
         mounts=[MountPlan(DOCKER_SOCKET, DOCKER_SOCKET),
                 MountPlan(str(agent_yaml_path(private, agent_id)), "/etc/determined/agent.yaml")],
         env={"DET_MASTER_HOST": cluster.master_host, "DET_MASTER_PORT": str(cluster.master_port),
@@ -145,7 +144,6 @@ def up_plan(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id:
     admin_file = admin_password_file or private / ADMIN_PASSWORD_FILE
     db_file = private / DB_PASSWORD_FILE
     pool = cluster.pool_of_agent(agent_id).name
-    prefix, version = cluster.images.repo_prefix, cluster.images.version
     db = ContainerPlan(
         role="database", name=f"{cn}_{DB_NAME}", image=cluster.images.postgres,
         mounts=[MountPlan(volume, "/var/lib/postgresql/data", kind="volume")],
@@ -154,7 +152,7 @@ def up_plan(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id:
         network=network,
     )
     master = ContainerPlan(
-        role="master", name=f"{cn}_{MASTER_NAME}", image=f"{prefix}/determined-master:{version}",
+        role="master", name=f"{cn}_{MASTER_NAME}", image=cluster.images.reference("master"),
         ports={str(cluster.master_port): MASTER_CONTAINER_PORT},
         mounts=[MountPlan(str(master_yaml_path(private)), "/etc/determined/master.yaml"),
                 MountPlan(str(lab.data_root), SHARED_FS_CONTAINER_PATH)],
@@ -179,6 +177,7 @@ def up_plan(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id:
         "det-lab doctor runs first and any 'fail' stops the start",
         f"the local agent joins pool {pool!r}; other GPU machines: det-lab cluster agent-up {cluster.master_host}",
     ]
+    plan.notes += unpinned_notes(cluster, ("master", "agent"))
     return plan
 
 
@@ -193,4 +192,16 @@ def agent_plan(cluster: ClusterSettings, private: Path, agent_id: str, pool: str
     )
     plan.notes.append(f"mount the shared volume at the same path as on the master before starting "
                       f"(task mounts and checkpoints use host paths); waits for {cluster.master_url}/info")
+    plan.notes += unpinned_notes(cluster, ("agent",))
     return plan
+
+
+def unpinned_notes(cluster: ClusterSettings, roles: tuple[str, ...]) -> list[str]:
+    """How to pin each image that is named by its tag alone (a tag can be moved; a digest cannot)."""
+    notes = []
+    for role in roles:
+        if getattr(cluster.images, f"{role}_digest") is None:
+            ref = cluster.images.reference(role)  # type: ignore[arg-type]
+            notes.append(f"{role} image {ref} is named by tag only; pin it: set images.{role}_digest to the "
+                         f"sha256:... that 'docker buildx imagetools inspect {ref}' prints")
+    return notes

@@ -236,3 +236,28 @@ def agent_errors(conf: dict[str, Any], master: dict[str, Any] | None = None) -> 
             errors.append(f"resource_pool: the master has no pool {pool!r} (pools: {', '.join(pools)}); "
                           "it would reject this agent")
     return errors
+
+
+#: the fields of a notebook's config (Determined 0.38.1 ``master/pkg/model/command_config.go``)
+NOTEBOOK_FIELDS = frozenset({"description", "bind_mounts", "environment", "resources", "entrypoint",
+                             "tensorboard_args", "idle_timeout", "notebook_idle_type", "work_dir", "debug",
+                             "pbs", "slurm"})
+NOTEBOOK_IDLE_TYPES = ("kernels_or_terminals", "kernel_connections", "activity")
+
+
+def notebook_template_errors(conf: dict[str, Any]) -> list[str]:
+    """Problems of a notebook config template beyond what the expconf schema checks of its
+    ``bind_mounts``/``environment``: unknown keys, an unparsable ``idle_timeout``, a bad idle type."""
+    from det_lab.cluster.settings import go_duration_seconds
+
+    errors = [f"{k}: not a field of a notebook's config" for k in conf if k not in NOTEBOOK_FIELDS]
+    timeout = conf.get("idle_timeout")
+    if timeout is not None:
+        try:
+            go_duration_seconds(str(timeout))
+        except ValueError as exc:
+            errors.append(f"idle_timeout: {exc}")
+    kind = conf.get("notebook_idle_type")
+    if kind is not None and kind not in NOTEBOOK_IDLE_TYPES:
+        errors.append(f"notebook_idle_type: {kind!r} is not one of {', '.join(NOTEBOOK_IDLE_TYPES)}")
+    return errors
