@@ -195,3 +195,80 @@ def test_runs_diff_names_exactly_the_three_differences(moved):
     assert set(result["final_metrics"]) >= {"training/loss", "validation/val_loss"}
     table = ok(lab.cli("runs", "diff", "orig", "newer"))
     assert "4 difference(s)" in table and "hyperparameters: lr" in table and "code: commit" in table
+
+
+def refused(lab: Lab, *args: str) -> str:
+    """A reproduce that must refuse: exit 2, one error line, and no run or scratch tree left."""
+    before = set(runs_dir(lab).iterdir())
+    proc = lab.cli("reproduce", *args, "--run", "refused")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert set(runs_dir(lab).iterdir()) == before
+    assert not (lab.root / "outputs" / "vla" / "reproduce" / "refused").exists()
+    return " ".join(proc.stderr.split())
+
+
+def test_refuses_an_unreachable_commit_naming_repository_and_how_to_fetch(moved):
+    lab = moved
+    gone = "0123456789abcdef0123456789abcdef01234567"
+    copy = runs_dir(lab) / "gone-commit"
+    shutil.copytree(runs_dir(lab) / "orig", copy)
+    st = json.loads((copy / "run.json").read_text())
+    st["lineage"]["code"]["commit"] = gone
+    (copy / "run.json").write_text(json.dumps(st))
+    err = refused(lab, "gone-commit")
+    assert f"commit {gone} is not in repository {lab.repo}" in err and f"git -C {lab.repo} fetch origin {gone}" in err
+    assert "refused" not in git(lab.repo, "worktree", "list")
+
+
+def test_refuses_a_tracker_run_without_lineage(moved):
+    lab = moved
+    exp = lab.mlflow.create_experiment("not-det-lab")
+    foreign = lab.mlflow.create_run(exp, tags={"team": "x"}).info.run_id
+    lab.mlflow.log_metric(foreign, "loss", 1.0)
+    err = refused(lab, foreign)
+    assert f"mlflow run id {foreign} has no det_lab lineage" in err
+
+
+def test_refuses_a_dataset_revision_whose_objects_are_gone(moved):
+    """Last: it deletes the first revision's objects from the snapshot, the cache and the remote."""
+    lab = moved
+    md5 = state(lab, "orig")["lineage"]["dataset"]["md5"]
+    snap = lab.root / "snapshots" / "vla" / md5.removesuffix(".dir")
+    for d in [snap, *snap.rglob("*")]:
+        if d.is_dir():
+            d.chmod(0o755)
+    shutil.rmtree(snap)
+    manifest = json.loads(next((lab.root / "dvc-cache" / "vla").rglob(md5.removesuffix(".dir")[2:] + ".dir")).read_text())
+    for stem in [md5.removesuffix(".dir") + ".dir", *(e["md5"] for e in manifest)]:
+        for store in (lab.root / "dvc-cache" / "vla", lab.root / "datasets" / "vla"):
+            for obj in store.rglob(stem[2:]):
+                obj.chmod(0o644)
+                obj.unlink()
+    err = refused(lab, "orig")
+    assert f"(md5 {md5}) cannot be served" in err and "lacks" in err
+
+
+def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
+    from det_lab.reproduce.code import apply_patch
+    from det_lab.reproduce.find import ReproduceError
+    from det_lab.trials.provenance import code_lineage
+
+    repo = tmp_path / "code"
+    (repo / "t").mkdir(parents=True)
+    (repo / "t" / "train.py").write_text("x = 1\n")
+    git(repo, "init", "--quiet")
+    git(repo, "add", ".")
+    git(repo, "commit", "--quiet", "-m", "c")
+    (repo / "t" / "train.py").write_text("x = 2\n" * 50)
+    record = tmp_path / "run"
+    record.mkdir()
+    code = code_lineage(repo / "t", record, cap=100)
+    assert code["dirty"] and code["patch_capped"] and code["patch_bytes"] > 100 and code["subdir"] == "t"
+    note = (record / "code.patch").read_text()
+    assert note.startswith("# det_lab: local changes not saved") and f"{code['patch_bytes']} bytes exceed the cap of 100" in note
+    with pytest.raises(ReproduceError, match="over the patch cap and were not saved"):
+        apply_patch(code, tmp_path, record / "code.patch")
+    whole = code_lineage(repo / "t", tmp_path / "run", cap=10_000)  # under the cap: the diff itself
+    assert not whole["patch_capped"] and (record / "code.patch").read_text().count("+x = 2") == 50
