@@ -238,6 +238,7 @@ def test_example_cluster_config_renders_cleanly(tmp_path):
             conf = render_agent(cluster, agent)
             assert conf["resource_pool"] == pool.name and agent_errors(conf, master) == []
     assert master["security"]["default_task"]["user"] == "det-task"
+    assert master["notebook_timeout"] == 7200 and cluster.backup.keep_daily == 7
     assert {"host_path": "/opt/isaac-assets", "container_path": "/opt/isaac-assets", "read_only": True,
             "propagation": "rslave"} in master["task_container_defaults"]["bind_mounts"]
 
@@ -357,3 +358,29 @@ def test_notebook_template_check_catches_what_determined_would_refuse():
     errors = notebook_template_errors({"idle_timeout": "two hours", "notebook_idle_type": "sleepy",
                                        "searcher": {"name": "single"}})
     assert len(errors) == 3 and errors[0].startswith("searcher:") and "idle_timeout" in errors[1]
+
+
+FORK_IMAGES = {"repo_prefix": "ghcr.io/wu-cvgl", "version": "0.42.0"}
+
+
+@pytest.mark.parametrize("images, numa_packing, error", [
+    (FORK_IMAGES, False, None),
+    (FORK_IMAGES, True, None),
+    (FORK_IMAGES, None, None),
+    ({}, None, None),  # upstream 0.38.1: nothing fork-only is rendered
+    ({}, False, "images.version is 0.38.1"),  # a 0.38.1 master would not start with it
+    ({**FORK_IMAGES, "version": "0.41.1"}, False, "images.version is 0.41.1"),
+])
+def test_fork_only_numa_packing_is_rendered_only_for_the_fork(lab, images, numa_packing, error):
+    scheduler = {} if numa_packing is None else {"numa_packing": numa_packing}
+    write_cluster(lab, {"images": images, "scheduler": scheduler})
+    if error:
+        proc = invoke(lab, "cluster", "config")
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        assert proc.exit_code == 2 and len(lines) == 1 and "scheduler.numa_packing" in lines[0] and error in lines[0]
+        return
+    master = rendered(lab)["master.yaml"]
+    sched = master["resource_manager"]["scheduler"]
+    assert sched.get("numa_packing") == numa_packing and master_errors(master) == []
+    if numa_packing is None:
+        assert "numa_packing" not in sched and not any("scheduler" in p for p in master["resource_pools"])

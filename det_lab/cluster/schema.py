@@ -60,8 +60,9 @@ TASK_CONTAINER_DEFAULTS = Obj({
     "add_capabilities": ListOf(STR), "drop_capabilities": ListOf(STR), "devices": ListOf(Obj({}, open=True)),
     "startup_hook": STR, "log_policies": ListOf(Obj({}, open=True)), "preemption_timeout": INT,
 })
+# numa_packing: the community fork's 0.42+ (a 0.38.1 master refuses it: ClusterSettings checks the version)
 SCHEDULER = Obj({"type": STR, "fitting_policy": STR, "allow_heterogeneous_fits": BOOL,
-                 "preemption": BOOL, "default_priority": INT}, _req("type"))
+                 "preemption": BOOL, "default_priority": INT, "numa_packing": BOOL}, _req("type"))
 TASK_USER = Obj({"uid": INT, "gid": INT, "user": STR, "group": STR}, _req("uid", "gid", "user", "group"))
 MASTER = Obj({
     "config_file": STR, "port": INT, "root": STR, "cluster_name": STR,

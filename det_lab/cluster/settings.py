@@ -112,6 +112,11 @@ class ImageSettings(StrictModel):
                              "docker buildx imagetools inspect IMAGE prints it)")
         return v
 
+    def is_fork_at_least(self, version: tuple[int, int]) -> bool:
+        """Whether ``version`` names the community fork at ``version`` or later (upstream's last is 0.38.1)."""
+        m = re.match(r"^(\d+)\.(\d+)", self.version)
+        return bool(m) and (int(m.group(1)), int(m.group(2))) >= version
+
     def reference_version(self, role: Literal["master", "agent"]) -> str:
         """What ``det deploy local`` puts after ``determined-<role>:``: the tag, and the digest if pinned."""
         digest = self.master_digest if role == "master" else self.agent_digest
@@ -161,6 +166,8 @@ class SchedulerSettings(StrictModel):
     default_priority: int = Field(default=42, ge=1, le=99)
     preemption: bool = False
     fitting_policy: Literal["best", "worst"] = "best"
+    numa_packing: bool | None = Field(
+        default=None, description="community fork 0.42+ only: false stops packing a task's GPUs by NUMA node")
 
 
 class TaskUser(StrictModel):
@@ -303,6 +310,11 @@ class ClusterSettings(StrictModel):
                 raise ValueError(
                     f"{key}: pool {value!r} is not defined (pools: {', '.join(sorted(names))}); "
                     f"keep a pool named 'default' or point {key} at one of them")
+        if self.scheduler.numa_packing is not None and not self.images.is_fork_at_least((0, 42)):
+            raise ValueError(
+                f"scheduler.numa_packing: only the community fork's master 0.42+ reads it, and an earlier "
+                f"master refuses to start with it (images.version is {self.images.version}); remove it or "
+                "run the fork's images (README: The community fork)")
         seen: set[Path] = set()
         for m in self.bind_mounts:
             target = m.container_path or m.host_path
