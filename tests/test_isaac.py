@@ -137,6 +137,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     summary = json.loads((run_dir / "tracking-summary.json").read_text())
     run = lab.mlflow.get_run(summary["backends"][0]["run_id"])
     assert run.info.status == "FINISHED"
+    assert run.data.tags["det_lab.step"].startswith("iterations completed: rsl_rl iteration i is step i + 1")
     history = mlflow_history(lab, run_dir.name, "training/Loss/value")
     assert history == sorted(set(history)) and history[-1] == 30
 

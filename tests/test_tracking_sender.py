@@ -186,8 +186,10 @@ def test_damaged_run_json_is_refused_in_one_line_and_the_journal_left_as_it_was(
     assert sync.stderr.startswith(f"error: {journal_dir / 'run.json'} is missing or damaged")
     assert len(sync.stderr.splitlines()) == 1
     status = CliRunner().invoke(app, ["tracking", "status"], env=lab.env)
-    assert status.exit_code == 0, (status.output, status.exception)
+    assert status.exit_code == 1, (status.output, status.exception)
     assert f"5 events waiting  {journal_dir}" in status.stdout  # listed, so that it is looked at
+    assert f"damaged: {journal_dir / 'run.json'} " in status.stdout  # named, with what is wrong
+    assert "0 journal(s) with undelivered events, 1 damaged" in status.stdout
     assert {p.name: p.read_bytes() for p in journal_dir.iterdir()} == before
 
 

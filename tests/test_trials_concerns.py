@@ -186,6 +186,41 @@ def test_legacy_trial_crashing_is_recorded_failed_at_exit(session, local_run, mo
     assert session.record.tracking_summary()["status"] == "FAILED"
 
 
+def test_a_trial_built_by_determineds_harness_seeds_its_shuffle_and_fails_on_sys_exit(lab, local_run, monkeypatch):
+    """The legacy ``module:Class`` entrypoint on a cluster: Determined's harness, not det_lab's
+    run(), builds the trial. Its shuffled loader gets the trial seed (resumes are exact there
+    too), and a trial method's ``sys.exit(3)`` makes the run FAILED, not FINISHED."""
+    from determined import pytorch
+
+    from det_lab.trials import pytorch as lab_pytorch
+
+    monkeypatch.setattr(lab_pytorch, "load_settings", lambda: lab)
+    monkeypatch.setattr(lab_pytorch, "_current", None)  # no run() building this trial
+
+    class Trial(lab_pytorch.LabPyTorchTrial):
+        def build_training_data_loader(self):
+            return pytorch.DataLoader(list(range(64)), batch_size=8, shuffle=True)
+
+        def build_validation_data_loader(self):
+            return pytorch.DataLoader(list(range(8)), batch_size=8)
+
+        def train_batch(self, batch, epoch_idx, batch_idx):
+            sys.exit(3)
+
+        def evaluate_batch(self, batch):
+            return {"loss": 0.0}
+
+    with pytorch.init(hparams={"lr": 0.1, "opt": "sgd"}, exp_conf=read_identity().exp_conf) as ctx:
+        trial = Trial(ctx)
+        orders = [[int(b) for batch in trial.build_training_data_loader().get_data_loader() for b in batch]
+                  for _ in range(2)]
+        assert orders[0] == orders[1] and orders[0] != list(range(64))  # shuffled, the same way each time
+        with pytest.raises(SystemExit):
+            trial.train_batch(None, 0, 0)
+        trial.session.close_at_exit()
+    assert local_run.state()["trial_status"] == "FAILED"
+
+
 def test_resume_clears_the_previous_outcome(lab, local_run, tmp_path):
     local_run.update(latest_checkpoint="abc", trial_status="KILLED")
     run, _cwd, _cmd = local.prepare(lab, str(tmp_path / "tpl"), None, True)

@@ -13,15 +13,30 @@ app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals
 
 @app.command("status")
 def status_(ctx: typer.Context) -> None:
-    """List tracking journals on the volume that still hold undelivered events."""
+    """List tracking journals on the volume that still hold undelivered events, and damaged ones
+    (exit code 1 when there is one: its events cannot be delivered until it is repaired)."""
+    from det_lab.tracking.journal import Journal, JournalError
     from det_lab.tracking.sync import find_journals, pending
 
     settings = state(ctx).settings
-    waiting = [(j, pending(j)) for j in find_journals(settings)]
-    waiting = [(j, n) for j, n in waiting if n]
+    waiting, damaged = [], []
+    for j in find_journals(settings):
+        try:
+            Journal(j).run()
+        except JournalError as exc:
+            damaged.append((j, pending(j), str(exc)))
+            continue
+        n = pending(j)
+        if n:
+            waiting.append((j, n))
     for j, n in waiting:
         console.print(f"{n:>8} events waiting  {j}", highlight=False)
-    console.print(f"{len(waiting)} journal(s) with undelivered events", highlight=False)
+    for j, n, problem in damaged:
+        console.print(f"{n:>8} events waiting  {j}\n          damaged: {problem}", highlight=False, soft_wrap=True)
+    console.print(f"{len(waiting)} journal(s) with undelivered events"
+                  + (f", {len(damaged)} damaged" if damaged else ""), highlight=False)
+    if damaged:
+        raise typer.Exit(1)
 
 
 @app.command("sync")

@@ -42,6 +42,11 @@ CHECKPOINT_INFO = "rsl_rl.json"
 VALIDATION_TAGS = {"Train/mean_reward": "mean_reward", "Train/mean_episode_length": "mean_episode_length"}
 
 
+#: a tag on the tracker run: what its step axis counts
+STEP_TAG = "det_lab.step"
+STEP_MEANING = "iterations completed: rsl_rl iteration i is step i + 1 (TensorBoard shows it at i)"
+
+
 class ChildFailed(RuntimeError):
     """The training command exited with an error; the message ends with its last log lines."""
 
@@ -212,6 +217,8 @@ class RlSupervisor:
     def run(self) -> Outcome:
         """Run the command to completion, preemption or failure; raises :class:`ChildFailed` on failure."""
         self.work_dir.mkdir(parents=True, exist_ok=True)
+        # TensorBoard shows iteration i at step i; the tracker, like Determined, at i + 1 done
+        self.ctx.mirror.set_tags({STEP_TAG: STEP_MEANING})
         restore = self.restore()
         start = restore.iteration if restore else -1
         remaining = self.total - (start + 1)

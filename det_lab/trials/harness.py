@@ -252,7 +252,7 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
     class Controller(orig_controller):  # type: ignore[misc, valid-type]
         def __init__(self, *args, **kwargs):
             trial = kwargs["trial_inst"] if "trial_inst" in kwargs else args[0]
-            trial.build_training_data_loader = _seeding_shuffle(trial.build_training_data_loader)
+            trial.build_training_data_loader = seeding_shuffle(trial.build_training_data_loader)
             latest = kwargs.get("latest_checkpoint")
             if kwargs.get("local_training") and latest and not kwargs.get("steps_completed") and checkpoint_dir:
                 kwargs["steps_completed"] = _steps_completed(checkpoint_dir / latest)
@@ -282,7 +282,7 @@ def harness_shims(checkpoint_dir: Path | None, skip_in_code: list[Path]) -> Iter
         core.init, util.write_user_code, pytorch._PyTorchTrialController = orig_init, orig_write, orig_controller
 
 
-def _seeding_shuffle(build: Callable[[], Any]) -> Callable[[], Any]:
+def seeding_shuffle(build: Callable[[], Any]) -> Callable[[], Any]:
     """Shim 6: a shuffling ``det.pytorch.DataLoader`` whose sampler has no generator gets one."""
 
     def build_training_data_loader() -> Any:

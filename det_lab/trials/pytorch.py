@@ -16,7 +16,9 @@ The legacy ``entrypoint: model_def:MyTrial`` form works too: the harness builds 
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from determined import pytorch
@@ -25,7 +27,13 @@ from det_lab.core import local_checkpoint_dir
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section, period
 from det_lab.trials.distributed import off_cluster_distributed
-from det_lab.trials.harness import allow_harness_unpickling, core_context_of, harness_shims, tensorboard_available
+from det_lab.trials.harness import (
+    allow_harness_unpickling,
+    core_context_of,
+    harness_shims,
+    seeding_shuffle,
+    tensorboard_available,
+)
 from det_lab.trials.identity import read_identity
 from det_lab.trials.session import LabSession
 from det_lab.trials.surface import TrialSurface
@@ -33,6 +41,24 @@ from det_lab.trials.surface import TrialSurface
 log = logging.getLogger("det_lab.trials")
 
 _current: LabSession | None = None  # the session run() started for the trial it is building
+
+
+#: the methods Determined's harness calls on a trial
+_TRIAL_METHODS = ("build_training_data_loader", "build_validation_data_loader", "train_batch", "evaluate_batch")
+
+
+def _noting_exit(method: Callable[..., Any], session: LabSession) -> Callable[..., Any]:
+    """``method``, noting the code of a ``SystemExit`` it raises on ``session`` (then re-raising)."""
+
+    @functools.wraps(method)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except SystemExit as exc:
+            session.exit_code = exc.code
+            raise
+
+    return noted
 
 
 class LabPyTorchTrial(TrialSurface, pytorch.PyTorchTrial):
@@ -43,12 +69,16 @@ class LabPyTorchTrial(TrialSurface, pytorch.PyTorchTrial):
         core = core_context_of(context)
         if _current is not None and _current.core is core:
             self.session = _current
-        else:  # built by Determined's own harness (module:Class entrypoint)
+        else:  # built by Determined's own harness (module:Class entrypoint): no harness_shims here
             allow_harness_unpickling()
             identity = read_identity(context.get_experiment_config(), context.get_hparams())
             self.session = LabSession(load_settings(), identity, core).start()
             _current = self.session
             atexit.register(self.session.close_at_exit)
+            self.build_training_data_loader = seeding_shuffle(self.build_training_data_loader)
+            for name in _TRIAL_METHODS:
+                if callable(getattr(self, name, None)):
+                    setattr(self, name, _noting_exit(getattr(self, name), self.session))
         self.context = context
 
 

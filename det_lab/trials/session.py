@@ -64,6 +64,8 @@ class LabSession:
         self.mirror: Mirror | NullMirror = NullMirror(identity.run)
         self.lineage: dict[str, Any] = {}
         self.preempted = False
+        #: a non-zero ``SystemExit`` code a trial method raised (legacy entrypoint: see close_at_exit)
+        self.exit_code: int | str | None = None
         self._preempt_requested = False
         self._trainer_lock: VolumeLock | None = None
 
@@ -174,4 +176,6 @@ class LabSession:
         """:meth:`close` from ``atexit`` (the legacy ``module:Class`` entrypoint, where Determined's
         harness owns the training loop): FAILED when the process ends with an unhandled exception."""
         crashed = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)  # set before atexit runs
-        return self.close("FAILED" if crashed is not None else "FINISHED")
+        # a SystemExit is not "unhandled" to Python (no last_exc): the trial's methods note its code
+        failed = crashed is not None or self.exit_code not in (None, 0)
+        return self.close("FAILED" if failed else "FINISHED")

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Sets up everything the test suite uses, into the current Python environment (use a venv), on a
+# fresh Debian/Ubuntu machine: the Debian packages of the services the tests start (installed with
+# apt-get when this runs as root or with password-less sudo; otherwise it names what is missing and
+# the tests that need it skip, each naming its package), det_lab with its test extras, and the
+# packages that install without their declared dependencies. README command 2 and .ci/run call it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# package: what needs it (a test that cannot find it skips and names the package)
+DEBIAN_PACKAGES=(
+  slurm-wlm       # slurmctld, slurmd, sbatch...: tests/slurm_cluster.py
+  munge           # Slurm's authentication
+  slurmdbd        # Slurm accounting (tests/slurm_cluster.py, accounting tests)
+  mariadb-server  # slurmdbd's database
+  prometheus      # prometheus + promtool: monitoring tests
+  postgresql      # a real PostgreSQL standing in for the Determined master's (cluster backups)
+)
+# FFmpeg's shared libraries for torchcodec (LeRobot's and det_lab's video decoder); without their
+# recommends, which are codecs' hardware drivers the tests do not use
+DEBIAN_LIBRARIES=(libavcodec59 libavformat59 libavutil57 libswscale6 libswresample4 libavdevice59 libavfilter8)
+
+installed() { dpkg-query -W -f='${Status}' "$1" 2>/dev/null | grep -q "install ok installed"; }
+missing=() missing_libs=()
+if command -v dpkg-query >/dev/null; then
+  for p in "${DEBIAN_PACKAGES[@]}"; do installed "$p" || missing+=("$p"); done
+  for p in "${DEBIAN_LIBRARIES[@]}"; do installed "$p" || missing_libs+=("$p"); done
+fi
+if [ $((${#missing[@]} + ${#missing_libs[@]})) -gt 0 ]; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; elif sudo -n true 2>/dev/null; then SUDO="sudo -n"; else SUDO="none"; fi
+  if [ "$SUDO" = none ] || ! command -v apt-get >/dev/null; then
+    echo "tests/setup.sh: cannot install the Debian packages ${missing[*]} ${missing_libs[*]} (needs root or sudo, and apt-get):" \
+         "the tests that use them will skip, each naming its package" >&2
+  else
+    echo "tests/setup.sh: installing ${missing[*]} ${missing_libs[*]}" >&2
+    # the tests start private daemons in temp dirs on free ports, whatever apt-get starts
+    $SUDO apt-get update -q
+    [ ${#missing[@]} -eq 0 ] || $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+    [ ${#missing_libs[@]} -eq 0 ] ||
+      $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing_libs[@]}"
+  fi
+elif ! command -v dpkg-query >/dev/null; then
+  echo "tests/setup.sh: not a Debian system: install Slurm (with slurmdbd), munge, MariaDB, Prometheus," \
+       "PostgreSQL and FFmpeg's libraries yourself; the tests that need one skip, naming it" >&2
+fi
+
+python -m pip install -q --upgrade pip
+# a plain 'torch' requirement pulls a multi-GB CUDA build: take the pinned one unless torch is there
+python -c 'import torch' 2>/dev/null || python -m pip install -q 'torch==2.13.0'
+python -m pip install -q -e '.[test]'
+# without their declared dependencies: rsl_rl's tensorboard/onnx (not needed to train), LeRobot's
+# torch<2.11 pin (only its dataset code is used, as the reference reader), and `datasets` 4's
+# requests>=2.32 (determined 0.38.1 pins requests<2.32)
+python -m pip install -q --no-deps 'rsl-rl-lib==5.5.1' 'lerobot==0.4.4' 'datasets==4.8.5'
+echo "tests/setup.sh: ready; run: python -m pytest" >&2
