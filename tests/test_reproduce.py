@@ -53,7 +53,8 @@ def world(mlflow_server, tmp_path_factory):
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
                HOME=str(tmp / "home"))
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    # MLflow for every run; an Aim repository for the runs that ask for both (data.det_lab.tracking)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri, "aim_repo": str(tmp / "aim")})
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     publish_tiny_data(settings, tmp)
@@ -164,19 +165,24 @@ def test_continue_from_a_middle_checkpoint_equals_the_original_from_there(moved)
     assert min(m[1] for m in after) == 50
 
 
-def test_dirty_tree_reproduces_from_its_saved_patch(moved):
+def test_dirty_tree_reproduces_from_its_saved_patch_found_by_aim_hash(moved):
+    """A run made from a tree with local changes (one file changed, one untracked), tracked to
+    MLflow and Aim, found again by its Aim run hash after the tree was cleaned."""
     lab = moved
     train = lab.repo / "trial" / "train.py"
     smooth = "loss = torch.nn.functional.smooth_l1_loss(self.model(x), y)"
     edit(train, smooth, f"loss = scale.FACTOR * {smooth.removeprefix('loss = ')}")
     edit(train, "import numpy as np\n", "import numpy as np\nimport scale\n")
     (lab.repo / "trial" / "scale.py").write_text("FACTOR = 3.0\n")  # untracked
-    ok(lab.cli("run", str(lab.repo / "trial"), "--local", "--run", "dirty"))
+    ok(lab.cli("run", str(lab.repo / "trial"), "--local", "--run", "dirty", "--set", "data.det_lab.tracking=both"))
     git(lab.repo, "checkout", "--", "trial/train.py")
     (lab.repo / "trial" / "scale.py").unlink()
     dirty = state(lab, "dirty")["lineage"]["code"]
     assert dirty["dirty"] and (runs_dir(lab) / "dirty" / "code.patch").is_file()
-    out, new = reproduce(lab, "dirty")
+    backends = json.loads((runs_dir(lab) / "dirty" / "tracking-summary.json").read_text())["backends"]
+    aim_hash = next(b["run_id"] for b in backends if b["backend"] == "aim")
+    out, new = reproduce(lab, aim_hash)
+    assert "reproducing dirty (found by aim run hash)" in out and new["reproduces"]["aim_run_hash"] == aim_hash
     assert "+ its saved local changes" in out and "verdict: reproduced exactly" in out
     assert losses(lab, new["name"]) == losses(lab, "dirty")
     assert (Path(new["cwd"]) / "scale.py").read_text() == "FACTOR = 3.0\n"
