@@ -69,6 +69,7 @@ def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) 
         _gpu_checks,
         lambda: _service_checks(settings),
         lambda: _backup_checks(settings),
+        lambda: _tsdb_checks(mounts_file),
     ):
         try:
             checks.extend(produce())
@@ -364,6 +365,19 @@ def _backup_checks(settings: LabSettings) -> Iterator[Check]:
     found = backup_check(settings)
     if found is not None:
         yield Check("backups", *found)
+
+
+def _tsdb_checks(mounts_file: Path, tsdb_dirs: list[Path] | None = None) -> Iterator[Check]:
+    """Prometheus' TSDB must be on a local disk: on NFS it corrupts (Prometheus' storage docs)."""
+    from det_lab.monitoring.config import installed_tsdb_dirs
+
+    for d in installed_tsdb_dirs() if tsdb_dirs is None else tsdb_dirs:
+        mount = mount_of(d, parse_mounts(mounts_file.read_text()))
+        if mount is not None and mount.fstype in NETWORK_FS:
+            yield Check("prometheus tsdb", "warn", f"{d} is on {mount.fstype} ({mount.device})",
+                        "put Prometheus' --storage.tsdb.path on a local disk: det-lab monitor config --tsdb DIR")
+        else:
+            yield Check("prometheus tsdb", "pass", f"{d} on a local file system")
 
 
 # --- helpers ----------------------------------------------------------------------------------

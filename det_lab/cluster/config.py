@@ -177,6 +177,8 @@ def render_master(lab: LabSettings, cluster: ClusterSettings, *,
         "resource_pools": [_pool(p) for p in cluster.pools],
         "feature_switches": ["prevent_blank_password"],
         "telemetry": {"enabled": False},
+        # /prom/det-state-metrics and /debug/prom/metrics for Prometheus (det-lab monitor config)
+        "observability": {"enable_prometheus": True},
         "retention_policy": {"log_retention_days": cluster.log_retention_days, "schedule": "0 3 * * *"},
     }
     if security:

@@ -1,0 +1,163 @@
+"""``det-lab exporter`` and ``det-lab monitor config|token|report``: Prometheus monitoring of the lab."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import typer
+
+from det_lab.cli.common import console, fail, state
+
+app = typer.Typer(help="Monitoring: Prometheus config, rules, dashboards; the master token; a report.",
+                  no_args_is_help=True)
+
+
+def exporter(
+    ctx: typer.Context,
+    port: int = typer.Option(9540, help="TCP port of /metrics (1-65535)."),
+    address: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    source: list[str] | None = typer.Option(None, "--source", "-s",
+                                            help="A source to export (gpus, slurm, volume, runs, trackers); "
+                                                 "repeat. Default: all (slurm where squeue or a Slurm config is)."),
+    textfile: Path | None = typer.Option(None, "--textfile", help="Write DIR/det_lab.prom once for node_exporter's "
+                                         "textfile collector and exit, instead of serving."),
+) -> None:
+    """Serve the lab's metrics for Prometheus: GPUs, Slurm queue, volume, runs, trackers."""
+    from det_lab.monitoring.exporter import build_sources, default_sources, registry_for, serve, write_textfile
+
+    if not 1 <= port <= 65535:
+        fail(f"--port {port} is not a TCP port (1-65535)")
+    settings = state(ctx).settings
+    try:
+        sources = build_sources(settings, source or default_sources(settings))
+    except ValueError as exc:
+        fail(str(exc))
+    registry, collector = registry_for(sources)
+    if textfile is not None:
+        try:
+            path = write_textfile(registry, textfile)
+        except OSError as exc:
+            fail(f"cannot write {textfile / 'det_lab.prom'}: {exc.strerror or exc}")
+        for name, why in collector.last_errors.items():
+            console.print(f"source {name}: {why}", highlight=False)
+        console.print(f"wrote {path}", highlight=False)
+        return
+    try:
+        server, _thread = serve(registry, port, address)
+    except OSError as exc:
+        fail(f"cannot listen on {address}:{port}: {exc.strerror or exc}")
+    console.print(f"det-lab exporter on http://{address}:{port}/metrics: {', '.join(s.name for s in sources)}",
+                  highlight=False)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.shutdown()
+
+
+@app.command("config")
+def config_(
+    ctx: typer.Context,
+    out: Path = typer.Option(Path("det-lab-monitoring"), "--out", help="Directory to write into."),
+    lab_exporter: str = typer.Option("localhost:9540", help="host:port of the lab exporter."),
+    machine: list[str] | None = typer.Option(None, "--machine", help="A GPU machine to scrape (repeat); "
+                                             "default: the Slurm nodes and Determined agents of the lab's configs."),
+    tsdb: Path = typer.Option(Path("/var/lib/det-lab/prometheus"), help="Prometheus' TSDB directory (a local disk)."),
+    pending_hours: float = typer.Option(24.0, min=0.01, help="Alert on a Slurm job pending longer than this."),
+    silent_minutes: int = typer.Option(30, min=1, help="Alert on a running run silent longer than this."),
+    idle_minutes: int = typer.Option(30, min=1, help="Alert on a GPU held idle longer than this."),
+    scrape_interval: str = typer.Option("30s", help="How often Prometheus scrapes and evaluates rules."),
+) -> None:
+    """Write prometheus.yml, recording and alert rules, Grafana provisioning and systemd units."""
+    from det_lab.cluster.settings import ClusterConfigError
+    from det_lab.monitoring.config import Machine, MonitorPlan, machines_from_configs, write
+    from det_lab.monitoring.rules import Thresholds
+    from det_lab.slurm.settings import SlurmConfigError
+
+    from det_lab.monitoring.report import parse_duration
+
+    settings = state(ctx).settings
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} exists and is not a directory")
+    try:
+        parse_duration(scrape_interval)
+    except ValueError as exc:
+        fail(f"--scrape-interval: {exc}")
+    try:
+        machines, master, scheme = machines_from_configs(settings)
+    except (ClusterConfigError, SlurmConfigError) as exc:
+        fail(str(exc))
+    if machine:
+        machines = [Machine(m, True) for m in machine]
+    plan = MonitorPlan(out=out, machines=machines, lab_exporter=lab_exporter, master=master, master_scheme=scheme,
+                       tsdb=tsdb.absolute(), det_lab=shutil.which("det-lab") or "det-lab",
+                       lab_config=settings.source.absolute() if settings.source else None,
+                       thresholds=Thresholds(idle_minutes=idle_minutes, pending_hours=pending_hours,
+                                             silent_minutes=silent_minutes),
+                       scrape_interval=scrape_interval)
+    try:
+        written = write(plan)
+    except OSError as exc:
+        fail(f"cannot write under {out}: {exc.strerror or exc}")
+    for path in written:
+        console.print(str(path), highlight=False)
+    console.print(f"check: promtool check config {out / 'prometheus' / 'prometheus.yml'}", highlight=False)
+
+
+@app.command()
+def token(
+    ctx: typer.Context,
+    out: Path = typer.Option(..., "--out", help="The token file Prometheus reads (credentials_file)."),
+    master: str | None = typer.Option(None, help="Master URL (default: the lab's master_url or cluster config)."),
+) -> None:
+    """Log in to the Determined master (DET_USER / DET_PASS) and write a fresh token for Prometheus."""
+    from det_lab.monitoring.token import TokenError, renew
+
+    settings = state(ctx).settings
+    url = master or settings.master_url
+    if not url:
+        from det_lab.cluster.settings import default_cluster_file, load_cluster_settings
+        if default_cluster_file(settings).is_file():
+            url = load_cluster_settings(settings).master_url
+    if not url:
+        fail("no master: pass --master http://host:8080 or set master_url in the lab config")
+    user, password = os.environ.get("DET_USER"), os.environ.get("DET_PASS")
+    if not user or password is None:
+        fail("set DET_USER and DET_PASS (in /etc/det-lab/monitor-token.env for the systemd timer)")
+    try:
+        path = renew(url if "://" in url else f"http://{url}", user, password, out)
+    except (TokenError, OSError) as exc:
+        fail(str(exc))
+    console.print(f"wrote a token for {user} to {path}", highlight=False)
+
+
+@app.command()
+def report(
+    prometheus: str = typer.Option("http://localhost:9090", help="Prometheus' URL."),
+    since: str = typer.Option("7d", help="The period to plot: 7d, 12h, 30m."),
+    out: Path = typer.Option(Path("det-lab-report"), "--out", help="Directory for index.html and the PNGs."),
+) -> None:
+    """Plot the dashboards' panels from Prometheus into PNGs and one HTML page."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail("the report needs matplotlib: pip install matplotlib")
+    from det_lab.monitoring.report import ReportError, build_report, parse_duration
+
+    try:
+        seconds = parse_duration(since)
+    except ValueError as exc:
+        fail(f"--since: {exc}")
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} exists and is not a directory")
+    try:
+        index = build_report(prometheus, seconds, out)
+    except ReportError as exc:
+        fail(str(exc))
+    console.print(f"wrote {index}", highlight=False)

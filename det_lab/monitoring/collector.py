@@ -1,0 +1,105 @@
+"""The exporter's collector: every scrape builds its metrics afresh from each source.
+
+A source is slow (``squeue``, a walk of the volume) or fast (NVML); each says how long its figures
+may be reused (``ttl``). A source that fails exports no series of its own and sets
+``det_lab_scrape_error{source}`` to 1: a broken ``squeue`` must never read as an idle cluster. A
+label set that is gone from a source (a finished job) is gone from the next scrape, because
+nothing is kept between scrapes except each source's last whole answer, for its ``ttl``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+PREFIX = "det_lab_"
+
+
+class Source(Protocol):
+    """One thing the exporter watches."""
+
+    name: str
+    ttl: float  # seconds its answer may be reused
+
+    def collect(self) -> Iterable[Metric]:
+        """Every metric family of this source, now; raises when the source cannot be read."""
+
+
+class Families:
+    """Builds gauge families by name, adding samples as they come (one family per name)."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, GaugeMetricFamily] = {}
+
+    def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
+        full = PREFIX + name
+        if full not in self._families:
+            self._families[full] = GaugeMetricFamily(full, doc, labels=list(labels))
+        return self._families[full]
+
+    def add(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
+        self.gauge(name, doc, list(labels)).add_metric([str(v) for v in labels.values()], float(value))
+
+    def __iter__(self) -> Iterator[GaugeMetricFamily]:
+        return iter(self._families.values())
+
+
+@dataclass
+class _Cached:
+    at: float = float("-inf")
+    metrics: list[Metric] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class LabCollector(Collector):
+    """Registered once in a registry; ``collect`` runs on every scrape."""
+
+    def __init__(self, sources: Sequence[Source], clock=time.monotonic) -> None:
+        self.sources = list(sources)
+        self._clock = clock
+        self._cache = {s.name: _Cached() for s in self.sources}
+        self._lock = threading.Lock()  # two scrapes at once read each slow source once
+        self.last_errors: dict[str, str] = {}
+
+    def _read(self, source: Source) -> _Cached:
+        cached = self._cache[source.name]
+        now = self._clock()
+        if now - cached.at < source.ttl:
+            return cached
+        start = time.perf_counter()
+        try:
+            metrics, error = list(source.collect()), None
+        except Exception as exc:  # any failure of a source is its scrape error, never the exporter's
+            metrics, error = [], f"{type(exc).__name__}: {exc}"
+        fresh = _Cached(now, metrics, error, time.perf_counter() - start)
+        self._cache[source.name] = fresh
+        return fresh
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            answers = {s.name: self._read(s) for s in self.sources}
+        error = GaugeMetricFamily(PREFIX + "scrape_error",
+                                  "1 when the source could not be read at the last refresh (its series are then absent)",
+                                  labels=["source"])
+        seconds = GaugeMetricFamily(PREFIX + "scrape_duration_seconds", "how long the source's last refresh took",
+                                    labels=["source"])
+        self.last_errors = {}
+        for name, answer in answers.items():
+            error.add_metric([name], 1.0 if answer.error else 0.0)
+            seconds.add_metric([name], answer.seconds)
+            if answer.error:
+                self.last_errors[name] = answer.error
+        yield error
+        yield seconds
+        for answer in answers.values():
+            yield from answer.metrics
+
+    def describe(self) -> list[Metric]:
+        return []  # unchecked: the families differ from scrape to scrape

@@ -1,0 +1,94 @@
+"""The volume source: bytes per project against its quota, free space, snapshots, cache, checkpoints.
+
+The project figures come from one walk of each project's directories (the quota's own figure,
+:func:`det_lab.volume.project_usage`, hard links counted once), split by area: a file
+hard-linked from the shared DVC cache into a snapshot counts in ``dvc-cache``, where it was first
+seen. A walk of a volume with thousands of runs takes seconds, so this source is refreshed at
+most every ``ttl`` seconds (five minutes by default) and every scrape in between answers from
+that sample; ``det_lab_volume_sample_time_seconds`` says when it was taken. Free space (one statvfs)
+is read with it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from prometheus_client.core import Metric
+
+from det_lab.data.integrity import SNAPSHOT_MARKER
+from det_lab.monitoring.collector import Families
+from det_lab.settings import LabSettings
+from det_lab.volume import VolumeLayout
+
+#: the areas of a project, in the order a hard-linked file is attributed (cache before snapshots)
+AREAS = ("dvc-cache", "snapshots", "datasets", "checkpoints", "outputs")
+
+
+def area_dir(layout: VolumeLayout, project: str, area: str) -> Path:
+    return {"dvc-cache": layout.dvc_cache, "snapshots": layout.snapshots, "datasets": layout.datasets,
+            "checkpoints": layout.project_checkpoints, "outputs": layout.outputs}[area](project)
+
+
+def walk_bytes(root: Path, seen: set[tuple[int, int]]) -> int:
+    """Bytes allocated under ``root``, skipping inodes already in ``seen`` (which it extends)."""
+    total = 0
+    stack = [str(root)]
+    while stack:
+        try:
+            entries = os.scandir(stack.pop())
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        with entries:
+            for entry in entries:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.is_dir(follow_symlinks=False):
+                    stack.append(entry.path)
+                if st.st_nlink > 1:
+                    key = (st.st_dev, st.st_ino)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                total += st.st_blocks * 512
+    return total
+
+
+class VolumeSource:
+    """The shared volume of ``settings``."""
+
+    name = "volume"
+
+    def __init__(self, settings: LabSettings, ttl: float = 300.0) -> None:
+        self.settings = settings
+        self.ttl = ttl
+        self.layout = VolumeLayout.from_settings(settings)
+
+    def collect(self) -> Iterable[Metric]:
+        root = self.settings.data_root
+        if not root.is_dir():
+            raise FileNotFoundError(f"data root {root} is not mounted")
+        out = Families()
+        fs = os.statvfs(root)
+        out.add("volume_size_bytes", "size of the file system holding the data root", {}, fs.f_blocks * fs.f_frsize)
+        out.add("volume_free_bytes", "space left for unprivileged users on it", {}, fs.f_bavail * fs.f_frsize)
+        for project in sorted(self.settings.projects):
+            seen: set[tuple[int, int]] = set()
+            total = 0
+            for area in AREAS:
+                used = walk_bytes(area_dir(self.layout, project, area), seen)
+                total += used
+                out.add("volume_area_bytes", "bytes of each project's area (dvc-cache is the shared cache; "
+                        "checkpoints its checkpoints)", {"project": project, "area": area}, used)
+            out.add("volume_project_bytes", "bytes counted against each project's quota", {"project": project}, total)
+            out.add("volume_project_quota_bytes", "each project's quota", {"project": project},
+                    int(self.settings.project(project).quota))
+            snaps = self.layout.snapshots(project)
+            count = sum(1 for _ in snaps.glob(f"*/{SNAPSHOT_MARKER}")) if snaps.is_dir() else 0
+            out.add("volume_snapshots", "published dataset snapshots of each project", {"project": project}, count)
+        out.add("volume_sample_time_seconds", "when these figures were taken (Unix time)", {}, time.time())
+        return list(out)
