@@ -127,22 +127,62 @@ def test_reproduce_by_run_name_uses_old_code_and_old_data(moved):
     assert tags["det_lab.reproduces.run"] == "orig" and tags["code.commit"] == lab.first_commit
 
 
-def test_reproduce_by_checkpoint_uuid_with_an_environment_changed(moved):
+def test_continue_from_a_middle_checkpoint_uuid_with_an_environment_changed(moved):
+    """Found by a checkpoint UUID, re-run from that checkpoint: equal to the original from that
+    step on; one recorded version edited gives the difference table and still runs."""
     lab = moved
     orig = state(lab, "orig")
     env_file = Path(orig["lineage"]["environment"]["file"])
     lines = env_file.read_text().splitlines()
     numpy_now = next(line for line in lines if line.startswith("numpy=="))
     env_file.write_text("\n".join("numpy==1.0.0" if line == numpy_now else line for line in lines) + "\n")
+    middle = next(c for c in orig["checkpoints"] if c["step"] == 40)
     try:
-        out, new = reproduce(lab, orig["latest_checkpoint"])
+        out, new = reproduce(lab, middle["uuid"], "--continue")
     finally:
         env_file.write_text("\n".join(lines) + "\n")
-    assert "environment: 1 difference(s) from the run's" in out
+    assert "environment: 1 difference(s) from the run's (it runs anyway)" in out
     row = next(line for line in out.splitlines() if "numpy" in line)
     assert "1.0.0" in row and numpy_now.split("==")[1] in row
-    assert "found by checkpoint" in out and "verdict: reproduced exactly" in out
-    assert losses(lab, new["name"]) == losses(lab, "orig")
+    assert f"found by checkpoint) as run {new['name']} from checkpoint {middle['uuid']} (step 40)" in out
+    assert "verdict: reproduced exactly" in out
+    after = [m for m in losses(lab, "orig") if m[1] > 40]
+    assert losses(lab, new["name"]) == after  # it started at step 40: nothing before, all after equal
+    assert min(m[1] for m in after) == 50
+
+
+def test_a_run_that_does_not_reproduce_says_where_it_diverged(moved):
+    """A copy of ``orig`` whose recorded val_loss at step 60 was changed: the re-run diverges there."""
+    lab = moved
+    copy = runs_dir(lab) / "tampered"
+    shutil.copytree(runs_dir(lab) / "orig", copy)
+    records = [json.loads(line) for line in (copy / "metrics.jsonl").read_text().splitlines()]
+    for rec in records:
+        if rec["group"] == "validation" and rec["step"] == 60:
+            rec["metrics"]["val_loss"] += 1e-3
+    (copy / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    proc = lab.cli("reproduce", "tampered", "--run", "tampered-again")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "verdict: diverged at step 60 (validation/val_loss)" in proc.stdout
+    row = next(line for line in proc.stdout.splitlines() if "validation/val_loss" in line)
+    cells = [c.strip() for c in row.split("│")]
+    assert (cells[1], cells[2], cells[3], cells[5]) == ("validation/val_loss", "4", "0.001", "60")
+    assert state(lab, "tampered-again")["reproduction"]["diverged_at"] == 60
+
+
+def test_compare_verdicts():
+    from det_lab.reproduce.compare import compare
+
+    def recs(*vals):
+        return [{"group": "training", "step": 10 * (i + 1), "metrics": {"loss": v}} for i, v in enumerate(vals)]
+
+    assert compare(recs(1.0, 0.5), recs(1.0, 0.5)).verdict == "reproduced exactly"
+    within = compare(recs(1.0, 0.5), recs(1.0, 0.5 * (1 + 1e-7)))
+    assert within.verdict == "reproduced within tolerance (rtol=1e-05, atol=1e-08)"
+    assert within.metrics[0].max_rel == pytest.approx(1e-7)
+    assert compare(recs(1.0, 0.5, 0.25), recs(1.0, 0.5)).verdict == "diverged at step 30 (training/loss)"  # a step missing
+    wide = compare(recs(1.0, 0.5), recs(1.0, 0.6), rtol=0.5)
+    assert wide.verdict.startswith("reproduced within tolerance") and wide.metrics[0].max_abs == pytest.approx(0.1)
 
 
 def test_reproduce_by_mlflow_run_id(moved):
@@ -153,16 +193,6 @@ def test_reproduce_by_mlflow_run_id(moved):
     assert "found by mlflow run id" in out and "verdict: reproduced exactly" in out
     assert losses(lab, new["name"]) == losses(lab, "orig")
     assert new["reproduces"]["mlflow_run_id"] == run_id
-
-
-def test_continue_from_a_middle_checkpoint_equals_the_original_from_there(moved):
-    lab = moved
-    middle = next(c for c in state(lab, "orig")["checkpoints"] if c["step"] == 40)
-    out, new = reproduce(lab, middle["uuid"], "--continue")
-    assert f"from checkpoint {middle['uuid']} (step 40)" in out and "verdict: reproduced exactly" in out
-    after = [m for m in losses(lab, "orig") if m[1] > 40]
-    assert losses(lab, new["name"]) == after  # it started at step 40: nothing before, all after equal
-    assert min(m[1] for m in after) == 50
 
 
 def test_dirty_tree_reproduces_from_its_saved_patch_found_by_aim_hash(moved):
@@ -276,5 +306,9 @@ def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
     assert note.startswith("# det_lab: local changes not saved") and f"{code['patch_bytes']} bytes exceed the cap of 100" in note
     with pytest.raises(ReproduceError, match="over the patch cap and were not saved"):
         apply_patch(code, tmp_path, record / "code.patch")
+    (repo / "t" / "big.bin").write_bytes(bytes(range(256)) * 40)  # untracked, past the cap: only its size counts
+    capped = code_lineage(repo / "t", record, cap=100)
+    assert capped["patch_capped"] and capped["patch_bytes"] >= code["patch_bytes"] + 10240
+    (repo / "t" / "big.bin").unlink()
     whole = code_lineage(repo / "t", tmp_path / "run", cap=10_000)  # under the cap: the diff itself
     assert not whole["patch_capped"] and (record / "code.patch").read_text().count("+x = 2") == 50

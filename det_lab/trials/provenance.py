@@ -43,16 +43,25 @@ def _git(cwd: Path, *args: str, ok: tuple[int, ...] = (0,)) -> str | None:
     return proc.stdout.decode(errors="surrogateescape")
 
 
-def working_changes(root: Path) -> bytes:
+def working_changes(root: Path, cap: int = PATCH_CAP) -> tuple[bytes, int]:
     """Everything uncommitted in the work tree at ``root``: ``git diff --binary HEAD`` plus each
-    untracked, not ignored file as a new-file diff."""
+    untracked, not ignored file as a new-file diff; and its size. Untracked files are not read
+    once the total passes ``cap`` (a stray multi-gigabyte file): the size is then their sum."""
     parts = [(_git(root, "diff", "--binary", "HEAD") or "").encode(errors="surrogateescape")]
+    total = len(parts[0])
     untracked = (_git(root, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")
     for name in filter(None, untracked):
+        if total > cap:
+            try:
+                total += (root / name).stat().st_size
+            except OSError:
+                pass
+            continue
         diff = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", name, ok=(0, 1))
         if diff:
             parts.append(diff.encode(errors="surrogateescape"))
-    return b"".join(parts)
+            total += len(parts[-1])
+    return b"".join(parts), total
 
 
 def code_lineage(path: Path, record_dir: Path | None, cap: int = PATCH_CAP) -> dict[str, Any] | None:
@@ -69,15 +78,15 @@ def code_lineage(path: Path, record_dir: Path | None, cap: int = PATCH_CAP) -> d
     code: dict[str, Any] = {"repo": os.environ.get(CODE_REPO_ENV) or remote or str(root), "root": str(root),
                             "commit": commit.strip(), "subdir": subdir,
                             "template_tree": tree.strip() if tree else None, "dirty": False}
-    changes = working_changes(root)
-    if changes:
-        code.update(dirty=True, patch=PATCH_FILE, patch_bytes=len(changes),
-                    patch_sha256=hashlib.sha256(changes).hexdigest(), patch_capped=len(changes) > cap)
+    changes, size = working_changes(root, cap)
+    if size:
+        code.update(dirty=True, patch=PATCH_FILE, patch_bytes=size, patch_capped=size > cap,
+                    patch_sha256=None if size > cap else hashlib.sha256(changes).hexdigest())
         if record_dir is not None:
             try:
                 target = Path(record_dir) / PATCH_FILE
                 if code["patch_capped"]:
-                    target.write_text(f"{CAPPED_NOTE}: {len(changes)} bytes exceed the cap of {cap} bytes "
+                    target.write_text(f"{CAPPED_NOTE}: {size} bytes exceed the cap of {cap} bytes "
                                       f"(commit them, or keep them smaller, to make this run reproducible)\n")
                 else:
                     tmp = target.with_name(f".{PATCH_FILE}.{os.getpid()}.tmp")
