@@ -62,7 +62,7 @@ class PanelImage:
     series: int
 
 
-def plot(panel: Panel, result: list[dict[str, Any]], path: Path) -> None:
+def plot(panel: Panel, result: list[dict[str, Any]], path: Path, span_s: float = 86400.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -81,7 +81,8 @@ def plot(panel: Panel, result: list[dict[str, Any]], path: Path) -> None:
     else:
         ax.text(0.5, 0.5, "no data" + (f" (needs {panel.needs})" if panel.needs else ""), ha="center",
                 va="center", transform=ax.transAxes, color="grey")
-    ax.xaxis.set_major_formatter(mdates.DateFormatter("%m-%d %H:%M"))
+    ax.xaxis.set_major_formatter(mdates.DateFormatter(
+        "%m-%d %H:%M" if span_s > 86400 else "%H:%M" if span_s > 3600 else "%H:%M:%S"))
     ax.tick_params(labelsize=7)
     ax.set_ylabel(panel.unit, fontsize=7)
     ax.grid(alpha=0.3)
@@ -102,7 +103,7 @@ def build_report(url: str, since_s: int, out: Path, end: float | None = None) ->
         for i, panel in enumerate(d.panels):
             result = query_range(url, panel.expr, start, end, step)
             name = f"{d.uid}-{i + 1}.png"
-            plot(panel, result, out / name)
+            plot(panel, result, out / name, since_s)
             images.append(PanelImage(d.title, panel, name, len(result)))
     page = ["<!doctype html><meta charset='utf-8'><title>det-lab monitoring report</title>",
             f"<h1>det-lab monitoring report</h1><p>{html.escape(time.strftime('%Y-%m-%d %H:%M', time.localtime(start)))}"
