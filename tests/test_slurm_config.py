@@ -129,3 +129,67 @@ def test_det_lab_slurm_config_refuses_a_bad_file_with_one_line(lab, tmp_path):
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("error: ") and "slurm.yaml: nodes.0: " in line and "gpu_kind" in line, line
     assert not out.exists()
+
+
+LAB_ACCOUNTING = {
+    "members": [{"user": "alice", "projects": ["vla"], "gpu_limit": 2, "fairshare": 2},
+                {"user": "bob", "projects": ["vla", "3dgs"]}],
+    "defaults": {"gpu_limit": 1}, "projects": {"3dgs": {"gpu_limit": 2}}, "interactive_time": "02:00:00",
+}
+
+
+def test_accounting_renders_slurmdbd_conf_private_with_a_password_made_once(lab, tmp_path):
+    """With an accounting section: slurmdbd.conf 0600 and the Slurm user's, its password generated once into
+    a 0600 file; slurm.conf's accounting half; job_submit.lua's interactive limit; the database notes.
+    (slurmdbd and slurmctld reading these files is shown by tests/test_slurm_accounting.py.)"""
+    import pwd
+    import stat
+
+    lab.env["DET_LAB_CLUSTER_DIR"] = str(tmp_path / "private")
+    out = tmp_path / "etc"
+    proc = _render(lab, {**LAB_SLURM, "accounting": LAB_ACCOUNTING}, out)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["cgroup.conf", "gres.conf", "job_submit.lua", "slurm.conf",
+                                                     "slurmdbd.conf"]
+    secret = tmp_path / "private" / "slurm-db-password"
+    password = secret.read_text().strip()
+    dbd = out / "slurmdbd.conf"
+    assert stat.S_IMODE(dbd.stat().st_mode) == 0o600 and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    try:  # Debian's slurm packages make the user
+        assert dbd.stat().st_uid == pwd.getpwnam("slurm").pw_uid  # slurmdbd refuses a file SlurmUser does not own
+    except KeyError:
+        assert "user slurm does not exist here: chown slurm" in proc.stderr
+    keys = dict(line.split("=", 1) for line in dbd.read_text().splitlines() if "=" in line and line[0] != "#")
+    assert keys["StoragePass"] == password and len(password) == 32
+    assert (keys["StorageType"], keys["StorageLoc"], keys["SlurmUser"]) == ("accounting_storage/mysql", "slurm_acct_db",
+                                                                             "slurm")
+    conf = (out / "slurm.conf").read_text()
+    for line in ("AccountingStorageType=accounting_storage/slurmdbd",
+                 "AccountingStorageEnforce=associations,limits,qos,safe",
+                 "AccountingStorageTRES=gres/gpu,gres/gpu:a100,gres/gpu:rtx4090", "PriorityType=priority/multifactor",
+                 "PriorityWeightFairshare=10000", "PriorityDecayHalfLife=7-0", "JobSubmitPlugins=lua",
+                 "JobAcctGatherType=jobacct_gather/cgroup"):
+        assert f"\n{line}\n" in conf, line
+    partitions = [x for x in conf.splitlines() if x.startswith("PartitionName=")]
+    assert len(partitions) == 3 and all("TRESBillingWeights=CPU=1.0,Mem=0.25G,GRES/gpu=4 " in p for p in partitions)
+    assert "local INTERACTIVE_MINUTES = 120" in (out / "job_submit.lua").read_text()
+    notes = proc.stderr.replace("\n", " ")
+    assert "CREATE DATABASE IF NOT EXISTS slurm_acct_db;" in notes and "innodb_lock_wait_timeout=900" in notes
+    assert "start order: MariaDB, then slurmdbd" in notes and str(secret) in notes
+
+    # rendered again: the same password; printed to the terminal: no password at all
+    assert _render(lab, {**LAB_SLURM, "accounting": LAB_ACCOUNTING}, out).returncode == 0
+    assert secret.read_text().strip() == password and f"StoragePass={password}\n" in dbd.read_text()
+    shown = lab.cli("slurm", "config")
+    assert shown.returncode == 0 and password not in shown.stdout + shown.stderr
+    assert "# --- job_submit.lua ---" in shown.stdout and "written only with --out" in shown.stderr
+
+
+def test_a_bad_member_value_is_one_line_naming_the_member(lab, tmp_path):
+    out = tmp_path / "etc"
+    bad = {**LAB_ACCOUNTING, "members": [{"user": "alice", "projects": ["vla"], "fairshare": "lots"}]}
+    proc = _render(lab, {**LAB_SLURM, "accounting": bad}, out)
+    assert proc.returncode == 2
+    (line,) = proc.stderr.strip().splitlines()
+    assert "slurm.yaml: accounting.members[alice].fairshare: Input should be a valid integer" in line, line
+    assert not out.exists()

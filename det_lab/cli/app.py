@@ -11,6 +11,7 @@ from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cm
 from det_lab.cli import cluster_cmds
 from det_lab.cli import templates_cmds
 from det_lab.cli import runs_cmds, slurm_cmds
+from det_lab.cli import usage_cmd
 from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
 from det_lab.cli.common import State
@@ -55,6 +56,7 @@ app.add_typer(cluster_cmds.app, name="cluster")
 app.add_typer(templates_cmds.app, name="templates")
 app.add_typer(slurm_cmds.app, name="slurm")
 app.add_typer(runs_cmds.app, name="runs")
+app.command()(usage_cmd.usage)
 app.command()(monitor_cmds.exporter)
 app.add_typer(monitor_cmds.app, name="monitor")
 app.command()(reproduce_cmd.reproduce)

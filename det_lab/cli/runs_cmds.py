@@ -66,13 +66,45 @@ def live_status(run: LocalRunRecord) -> str:
     return status
 
 
+def run_owner(run: LocalRunRecord, st: dict) -> str:
+    """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
+    import pwd
+
+    if st.get("user"):
+        return st["user"]
+    uid = run.run_file.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def waiting(run: LocalRunRecord) -> str | None:
+    """Why a Slurm run's pending job waits, in words (e.g. a per-user GPU limit); None when it does not wait."""
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+
+    if not isinstance(run, SlurmRunRecord) or not run.job_id() or run.state().get("status") in ENDED:
+        return None
+    try:
+        job = submit.job_state(run.job_id())
+    except submit.SlurmError:
+        return None
+    if not job or job.get("JobState") != "PENDING":
+        return None
+    from det_lab.accounting.limits import pending_words
+
+    return pending_words(job)
+
+
 @app.command("list")
 def list_runs(
     ctx: typer.Context,
     project: str | None = typer.Option(None, "--project", "-p", help="Only this project's runs."),
+    user: str | None = typer.Option(None, "--user", "-u", help="Only the runs of this Unix user."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per run."),
 ) -> None:
-    """Every run on the volume, oldest first: kind, status, progress, where it ran."""
+    """Every run on the volume, oldest first: kind, status, progress, where it ran, who owns it."""
     from rich.table import Table
 
     settings = state(ctx).settings
@@ -85,11 +117,14 @@ def list_runs(
     rows = []
     for run in runs:
         st = run.state()
+        if user and run_owner(run, st) != user:
+            continue
         step, val = run.progress()
         rows.append({"name": st["name"], "kind": run.kind, "template": st.get("template"),
                      "status": live_status(run), "step": step, "of": st.get("max_length"),
                      "where": _where(run, st), "dir": str(run.dir),
-                     "metric": next(iter(val.items()), None)})
+                     "metric": next(iter(val.items()), None), "user": run_owner(run, st),
+                     "waiting": waiting(run)})
     if as_json:
         for row in rows:
             typer.echo(json.dumps(row))
@@ -97,7 +132,8 @@ def list_runs(
     table = Table("run", "kind", "status", "progress", "last validation", "where")
     for r in rows:
         metric = f"{r['metric'][0]}={r['metric'][1]:.4g}" if r["metric"] else ""
-        table.add_row(r["name"], r["kind"], r["status"], f"{r['step']}/{r['of']}", metric, r["where"])
+        status = f"{r['status']}: {r['waiting']}" if r["waiting"] else r["status"]
+        table.add_row(r["name"], r["kind"], status, f"{r['step']}/{r['of']}", metric, r["where"])
     console.print(table)
 
 
@@ -111,6 +147,9 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
     step, val = run.progress()
     table = Table(title=f"{st['name']} ({run.kind}): {live_status(run)}", show_header=False, title_justify="left")
     table.add_row("directory", str(run.dir))
+    table.add_row("user", run_owner(run, st))
+    if waiting(run):
+        table.add_row("waiting", waiting(run).removeprefix("waiting: "))
     table.add_row("config", str(st.get("config")))
     table.add_row("hyperparameters", json.dumps(st.get("hparams")))
     table.add_row("progress", f"{step} of {st.get('max_length')} {st.get('max_length_unit', '')}")

@@ -41,7 +41,9 @@ def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
     try:
         return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
     except SlurmConfigError as exc:
-        fail(str(exc))
+        from rich.markup import escape
+
+        fail(escape(str(exc)))  # a member's key reads accounting.members[alice].gpu_limit
 
 
 def _write(out: Path, files: dict[str, str]) -> None:
@@ -56,22 +58,49 @@ def _write(out: Path, files: dict[str, str]) -> None:
 @app.command()
 def config(
     ctx: typer.Context,
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write slurm.conf, gres.conf and cgroup.conf here."),
+    out: Path | None = typer.Option(None, "--out", "-o", help=(
+        "Write slurm.conf, gres.conf and cgroup.conf here (with accounting: job_submit.lua and slurmdbd.conf, 0600).")),
 ) -> None:
-    """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines."""
+    """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines (with accounting: slurmdbd.conf too)."""
+    from det_lab.slurm.accounting_conf import accounting_notes
     from det_lab.slurm.conf import render_all, setup_notes
 
     lab, slurm = load(ctx)
     files = render_all(slurm, lab)
+    notes = setup_notes(slurm, lab)
     if out is None:
         for name, text in files.items():
             typer.echo(f"# --- {name} ---")
             typer.echo(text, nl=False)
+        if slurm.accounting is not None:
+            notes.append("slurmdbd.conf holds the database password: it is written only with --out (mode 0600)")
     else:
         _write(out, files)
-        console.print(f"wrote {', '.join(files)} to {out}", highlight=False)
-    for note in setup_notes(slurm, lab):
+        written = list(files)
+        if slurm.accounting is not None:
+            pw_file, note = _write_slurmdbd(slurm, out)
+            written.append("slurmdbd.conf")
+            notes += [n for n in (note,) if n] + accounting_notes(slurm, pw_file)
+        console.print(f"wrote {', '.join(written)} to {out}", highlight=False)
+    if out is None:
+        notes += accounting_notes(slurm, None)
+    for note in notes:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
+
+
+def _write_slurmdbd(slurm: SlurmSettings, out: Path) -> tuple[Path, str | None]:
+    """slurmdbd.conf in ``out`` (0600, the Slurm user's), its password generated once: the password's file."""
+    from det_lab.cluster.secrets import SecretError
+    from det_lab.slurm.accounting_conf import db_password, render_slurmdbd_conf, write_slurmdbd_conf
+
+    try:
+        pw_file, password, _ = db_password(slurm.accounting)
+        note = write_slurmdbd_conf(out / "slurmdbd.conf", render_slurmdbd_conf(slurm, password), slurm.slurm_user)
+    except SecretError as exc:
+        fail(str(exc))
+    except OSError as exc:
+        fail(f"cannot write {out / 'slurmdbd.conf'}: {exc.strerror or exc}")
+    return pw_file, note
 
 
 def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list[str], partition: str | None,
@@ -88,7 +117,7 @@ def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list
         tdir = local.resolve_template(template)
         _, conf = local.load_config(tdir, config)
         conf = apply_sets(conf, sets)
-        where = slurm_run.place(slurm, conf, partition, time_limit)
+        where = slurm_run.place(slurm, conf, partition, time_limit, charged_account(slurm, conf, str(config or tdir)))
         if is_search(conf):
             search, job_id = slurm_run.submit_search(settings, slurm, tdir, conf, str(config or tdir), where, seed)
         else:
@@ -115,6 +144,31 @@ def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list
                   f"  log: {run_.log_file}\n  follow: det-lab runs tail -f {st['name']}", highlight=False)
     if wait:
         raise typer.Exit(wait_for(run_, job_id))
+
+
+def charged_account(slurm: SlurmSettings, conf: dict, source: str) -> str | None:
+    """With accounting, the run's project: the Slurm account it charges, after checking that Slurm's
+    limits can ever admit its GPUs (one line naming the limit when they cannot)."""
+    if slurm.accounting is None:
+        return None
+    import os
+    import pwd
+
+    from det_lab.accounting.limits import limits_for, refusal
+    from det_lab.accounting.sync import AccountingError
+    from det_lab.trials.expconf import lab_section
+
+    project = lab_section(conf, source).project
+    raw = (conf.get("resources") or {}).get("slots_per_trial")
+    gpus = 1 if raw is None else int(raw)
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        why = refusal(limits_for(slurm.cluster_name, user, project), gpus, str(slurm.source or "slurm.yaml"))
+    except AccountingError as exc:
+        raise ValueError(str(exc)) from None
+    if why:
+        raise ValueError(why)
+    return project
 
 
 def wait_for(run_, job_id: str) -> int:
@@ -261,3 +315,38 @@ def ci(
         return
     _write(out.parent, {out.name: text})
     console.print(f"wrote {out}", highlight=False)
+
+
+@app.command()
+def accounts(
+    ctx: typer.Context,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan; change nothing."),
+) -> None:
+    """Make Slurm's accounts, members and GPU limits match the lab config (sacctmgr): prints the plan
+    (add / change / remove); removes only what it made, never root or accounts made by hand."""
+    from det_lab.accounting.sync import AccountingError, apply, plan, read_state
+
+    _, slurm = load(ctx)
+    if slurm.accounting is None:
+        fail(f"{slurm.source or 'the Slurm config'} has no accounting: section (members, GPU limits): "
+             "nothing to make")
+    try:
+        steps = plan(slurm, read_state(slurm.cluster_name))
+    except AccountingError as exc:
+        fail(str(exc))
+    for warning in steps.warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
+    if not steps.steps:
+        console.print(f"Slurm's accounts on cluster {slurm.cluster_name} already match the lab config: "
+                      "nothing to change", highlight=False)
+        return
+    if dry_run:
+        for step in steps.steps:
+            console.print(f"would {step}", highlight=False, soft_wrap=True)
+        console.print(f"{len(steps.steps)} change(s) planned; run without --dry-run to make them", highlight=False)
+        return
+    try:
+        n = apply(steps, echo=lambda step: console.print(f"{step}", highlight=False, soft_wrap=True))
+    except AccountingError as exc:
+        fail(str(exc))
+    console.print(f"{n} change(s) made on cluster {slurm.cluster_name}", highlight=False)

@@ -15,6 +15,7 @@ What the files encode, and why:
 from __future__ import annotations
 
 from det_lab.settings import LabSettings
+from det_lab.slurm.accounting_conf import accounting_keys, billing_weights, render_job_submit_lua
 from det_lab.slurm.settings import SlurmSettings
 
 
@@ -52,6 +53,7 @@ def slurm_conf_keys(slurm: SlurmSettings) -> dict[str, str]:
         "JobCompType": "jobcomp/none",
         "JobAcctGatherType": "jobacct_gather/cgroup",
     }
+    keys.update(accounting_keys(slurm))  # slurmdbd, limits, fair-share: only with an accounting section
     keys.update(slurm.extra)
     return keys
 
@@ -87,6 +89,8 @@ def render_slurm_conf(slurm: SlurmSettings, lab: LabSettings | None = None) -> s
         if all(n.memory for n in slurm.nodes):
             # without it a job that names no --mem is given a whole node's memory
             line += f" DefMemPerCPU={min(_memory_mib(n) // n.cpus for n in nodes)}"
+        if slurm.accounting is not None:  # fair-share counts a GPU-hour as gpu_billing CPU-hours
+            line += f" TRESBillingWeights={billing_weights(slurm.accounting)}"
         lines.append(line + " State=UP")
     return "\n".join(lines) + "\n"
 
@@ -112,9 +116,13 @@ def render_cgroup_conf() -> str:
 
 
 def render_all(slurm: SlurmSettings, lab: LabSettings | None = None) -> dict[str, str]:
-    """The three files by name."""
-    return {"slurm.conf": render_slurm_conf(slurm, lab), "gres.conf": render_gres_conf(slurm),
-            "cgroup.conf": render_cgroup_conf()}
+    """The files by name: slurm.conf, gres.conf, cgroup.conf, and with accounting job_submit.lua
+    (slurmdbd.conf holds a secret: :mod:`det_lab.slurm.accounting_conf` writes it)."""
+    files = {"slurm.conf": render_slurm_conf(slurm, lab), "gres.conf": render_gres_conf(slurm),
+             "cgroup.conf": render_cgroup_conf()}
+    if slurm.accounting is not None:
+        files["job_submit.lua"] = render_job_submit_lua(slurm)
+    return files
 
 
 def setup_notes(slurm: SlurmSettings, lab: LabSettings) -> list[str]:

@@ -45,6 +45,7 @@ class JobSpec:
     output: str
     partition: str | None = None
     time: str | None = None
+    account: str | None = None  # with accounting: the run's project, charged for its GPU time
     nodes: int = 1
     gpus_per_node: int = 0
     signal_seconds: int = 300
@@ -57,6 +58,8 @@ class JobSpec:
             lines.append(f"--partition={self.partition}")
         if self.time:
             lines.append(f"--time={self.time}")
+        if self.account:
+            lines.append(f"--account={self.account}")
         lines += [f"--nodes={self.nodes}", "--ntasks-per-node=1"]
         if self.gpus_per_node:
             lines.append(f"--gres=gpu:{self.gpus_per_node}")

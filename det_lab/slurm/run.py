@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import pwd
 import shutil
 import sys
 from dataclasses import dataclass
@@ -25,9 +27,11 @@ class Placement:
     nodes: int
     gpus_per_node: int
     time: str | None
+    account: str | None = None  # the Slurm account charged (the run's project) when accounting is on
 
 
-def place(slurm: SlurmSettings, exp_conf: dict[str, Any], partition: str | None, time: str | None) -> Placement:
+def place(slurm: SlurmSettings, exp_conf: dict[str, Any], partition: str | None, time: str | None,
+          account: str | None = None) -> Placement:
     """Check the request against Slurm before anything is created (SlurmError/ValueError: one line)."""
     if time is not None:
         try:
@@ -40,13 +44,13 @@ def place(slurm: SlurmSettings, exp_conf: dict[str, Any], partition: str | None,
     # a slurm.yaml names the lab's defaults; without one, Slurm's own defaults apply
     part = partition or (slurm.default if slurm.source else None)
     part, nodes, per_node = submit.plan_resources(part, slots)
-    return Placement(part, nodes, per_node, time or (slurm.default_time if slurm.source else None))
+    return Placement(part, nodes, per_node, time or (slurm.default_time if slurm.source else None), account)
 
 
 def job_spec(run: SlurmRunRecord, where: Placement, signal_seconds: int) -> JobSpec:
     state = run.state()
     return JobSpec(name=f"det-lab-{state['name']}"[:60], output=f"{run.dir}/slurm-%j.out", partition=where.partition,
-                   time=where.time, nodes=where.nodes, gpus_per_node=where.gpus_per_node,
+                   time=where.time, account=where.account, nodes=where.nodes, gpus_per_node=where.gpus_per_node,
                    signal_seconds=signal_seconds)
 
 
@@ -79,9 +83,9 @@ def submit_run(run: SlurmRunRecord, settings: LabSettings, slurm: SlurmSettings,
     try:
         image = container(settings, slurm, state["exp_conf"], Path(state["cwd"]), state["command"])
         run.job_script.write_text(script)
-        run.update(status="queued", slurm={"partition": where.partition, "nodes": where.nodes,
-                                           "gpus_per_node": where.gpus_per_node, "time": where.time,
-                                           "script": str(run.job_script), **image})
+        run.update(status="queued", user=pwd.getpwuid(os.geteuid()).pw_name, slurm={
+            "partition": where.partition, "account": where.account, "nodes": where.nodes,
+            "gpus_per_node": where.gpus_per_node, "time": where.time, "script": str(run.job_script), **image})
         job_id = submit.sbatch(str(run.job_script))
     except submit.SlurmError:
         shutil.rmtree(run.dir, ignore_errors=True)
@@ -129,7 +133,7 @@ def submit_search(settings: LabSettings, slurm: SlurmSettings, template_dir: Pat
     staging.create_study()
     staging.dir.rename(search.dir)
     spec = JobSpec(name=f"det-lab-{name}"[:60], output=f"{search.dir}/slurm-%A_%a.out", partition=where.partition,
-                   time=where.time, nodes=where.nodes, gpus_per_node=where.gpus_per_node,
+                   time=where.time, account=where.account, nodes=where.nodes, gpus_per_node=where.gpus_per_node,
                    signal_seconds=slurm.signal_seconds, array=array_spec(searcher))
     env = {**passed_env(), "DET_LAB_DATA_ROOT": str(settings.data_root)}
     if settings.source is not None:

@@ -16,6 +16,14 @@ Example::
     images:                                               # trials run under apptainer exec --nv
       default: /mnt/data/.det-lab/images/det-lab-task.sif
       isaac-lab-base:latest: /mnt/data/.det-lab/images/isaac-lab.sif
+    accounting:                                           # slurmdbd + MariaDB: limits, fair-share, sacct
+      members:
+        - {user: alice, projects: [vla], gpu_limit: 2, fairshare: 2}
+        - {user: bob, projects: [vla, 3dgs]}
+      defaults: {gpu_limit: 1, fairshare: 1}              # for every member that names neither
+      projects: {3dgs: {gpu_limit: 2}}                    # the whole project at most 2 GPUs at once
+      deny_on_limit: false                                # true: refuse at submission instead of queueing
+      interactive_time: "02:00:00"                        # salloc / srun --pty jobs end after this
 
 Problems are raised as :class:`SlurmConfigError`, one line naming the file and key.
 """
@@ -84,6 +92,115 @@ class NodeSettings(StrictModel):
         return self.gpu_files or (f"/dev/nvidia[0-{self.gpus - 1}]" if self.gpus > 1 else "/dev/nvidia0")
 
 
+#: Slurm account and user names: what sacctmgr accepts and Unix allows (lower case, no spaces)
+_ACCOUNT = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
+_USER = re.compile(r"^[a-z_][a-z0-9_.-]{0,31}$")
+
+
+class MemberDefaults(StrictModel):
+    """What a member gets for a value they do not name."""
+
+    gpu_limit: int | None = Field(default=None, ge=0, description="GPUs one member may hold at once; none: no limit")
+    fairshare: int = Field(default=1, ge=1, description="the member's share of the lab (relative to the others)")
+
+
+class MemberSettings(StrictModel):
+    """A lab member: a Unix name, the projects whose accounts they charge (the first is their default)."""
+
+    user: str
+    projects: list[str] = Field(min_length=1)
+    gpu_limit: int | None = Field(default=None, ge=0)
+    fairshare: int | None = Field(default=None, ge=1)
+
+    @field_validator("user")
+    @classmethod
+    def _user(cls, v: str) -> str:
+        if not _USER.match(v):
+            raise ValueError(f"{v!r} is not a Unix user name (lower-case letters, digits, '_', '-', '.')")
+        return v
+
+    @field_validator("projects")
+    @classmethod
+    def _projects(cls, v: list[str]) -> list[str]:
+        for name in v:
+            check_account(name)
+        return v
+
+
+class ProjectLimit(StrictModel):
+    """A project's own limit: the GPUs all its members' jobs may hold together."""
+
+    gpu_limit: int | None = Field(default=None, ge=0)
+    fairshare: int = Field(default=1, ge=1)
+
+
+def check_account(name: str) -> str:
+    """``name`` if Slurm accepts it as an account name, else a ValueError saying why."""
+    if not _ACCOUNT.match(name):
+        raise ValueError(f"{name!r} cannot be a Slurm account (lower-case letters, digits, '-' or '_', "
+                         f"at most 63 characters)")
+    if name == "root":
+        raise ValueError("'root' is Slurm's own top account")
+    return name
+
+
+class AccountingSettings(StrictModel):
+    """slurmdbd + MariaDB: who is in the lab, their limits and shares, and where the database is."""
+
+    members: list[MemberSettings] = Field(default_factory=list)
+    defaults: MemberDefaults = Field(default_factory=MemberDefaults)
+    projects: dict[str, ProjectLimit] = Field(default_factory=dict)
+    deny_on_limit: bool = Field(default=False, description="refuse a job over a per-user limit instead of queueing it")
+    interactive_time: str = Field(default="02:00:00", description="time limit of salloc / srun --pty jobs")
+    gpu_billing: float = Field(default=4.0, gt=0, description="what a GPU-hour costs in CPU-hours (fair-share)")
+    half_life: str = Field(default="7-0", description="PriorityDecayHalfLife: how fast past use is forgotten")
+    dbd_host: str | None = Field(default=None, description="the machine running slurmdbd (default: controller)")
+    dbd_port: int = Field(default=6819, ge=1, le=65535)
+    storage_host: str = "localhost"
+    storage_port: int = Field(default=3306, ge=1, le=65535)
+    storage_user: str = "slurm"
+    storage_db: str = "slurm_acct_db"
+    password_file: Path | None = Field(default=None, description="the database password (default: generated once)")
+    dbd_extra: dict[str, str] = Field(default_factory=dict, description="further slurmdbd.conf keys, as given")
+
+    @field_validator("interactive_time", "half_life")
+    @classmethod
+    def _time(cls, v: str) -> str:
+        return check_time(v)
+
+    @field_validator("projects")
+    @classmethod
+    def _project_names(cls, v: dict[str, ProjectLimit]) -> dict[str, ProjectLimit]:
+        for name in v:
+            check_account(name)
+        return v
+
+    @model_validator(mode="after")
+    def _unique(self) -> AccountingSettings:
+        users = [m.user for m in self.members]
+        dup = sorted({u for u in users if users.count(u) > 1})
+        if dup:
+            raise ValueError(f"members: {dup[0]!r} is listed twice")
+        return self
+
+    def gpu_limit(self, member: MemberSettings) -> int | None:
+        return member.gpu_limit if member.gpu_limit is not None else self.defaults.gpu_limit
+
+    def fairshare(self, member: MemberSettings) -> int:
+        return member.fairshare if member.fairshare is not None else self.defaults.fairshare
+
+    def member(self, user: str) -> MemberSettings | None:
+        return next((m for m in self.members if m.user == user), None)
+
+    def accounts(self) -> list[str]:
+        """One Slurm account per project a member names or a limit is given for, in first-seen order."""
+        out: list[str] = []
+        for name in [p for m in self.members for p in m.projects] + list(self.projects):
+            if name not in out:
+                out.append(name)
+        return out
+
+
 class SlurmSettings(StrictModel):
     """The whole Slurm section."""
 
@@ -108,6 +225,8 @@ class SlurmSettings(StrictModel):
     spool_dir: Path = Path("/var/spool/slurmd")
     log_dir: Path = Path("/var/log/slurm")
     extra: dict[str, str] = Field(default_factory=dict, description="further slurm.conf keys, as given")
+    accounting: AccountingSettings | None = Field(default=None, description=(
+        "slurmdbd accounting: members, GPU limits, fair-share (none: accounting_storage/none)"))
     source: Path | None = Field(default=None, exclude=True)
 
     @field_validator("max_time", "default_time")
@@ -162,9 +281,27 @@ def load_slurm_settings(lab: LabSettings, path: Path | str | None = None) -> Slu
         return SlurmSettings.model_validate({**raw, "source": file})
     except ValidationError as exc:
         err = exc.errors()[0]
-        key = ".".join(str(p) for p in err["loc"])
+        key = _key_name(err["loc"], raw)
+        if err["type"] == "extra_forbidden" and len(err["loc"]) > 1:
+            raise SlurmConfigError(f"{where}: unknown key {key!r}") from None
         if err["type"] == "extra_forbidden":
             known = ", ".join(k for k, f in SlurmSettings.model_fields.items() if not f.exclude)
             raise SlurmConfigError(f"{where}: unknown key {key!r} (expected one of: {known})") from None
         msg = err["msg"].removeprefix("Value error, ")
         raise SlurmConfigError(f"{where}: {key + ': ' if key else ''}{msg}") from None
+
+
+def _key_name(loc: tuple, raw: dict) -> str:
+    """A pydantic error location as the config's key, a member by its user name: accounting.members[bob].gpu_limit."""
+    parts: list[str] = []
+    node: object = raw
+    for p in loc:
+        if isinstance(p, int) and parts and parts[-1] == "members" and isinstance(node, list) and p < len(node):
+            item = node[p]
+            label = item.get("user") if isinstance(item, dict) else None
+            parts[-1] += f"[{label}]" if label else f"[{p}]"
+            node = item
+            continue
+        parts.append(str(p))
+        node = node.get(p) if isinstance(node, dict) else None
+    return ".".join(parts)

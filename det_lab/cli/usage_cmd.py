@@ -1,0 +1,73 @@
+"""``det-lab usage``: GPU-hours, jobs and outcomes from Slurm's accounting, joined with the run records."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+from det_lab.cli.common import console, fail, state
+
+
+def usage(
+    ctx: typer.Context,
+    since: str = typer.Option("30d", "--since", help="Period: 30d, 12h, 2w, 90m, or a date (2026-11-01)."),
+    by: str = typer.Option("user", "--by", help="Group by user, project or template."),
+    as_json: bool = typer.Option(False, "--json", help="The summary and every job as one JSON object."),
+    as_csv: bool = typer.Option(False, "--csv", help="Every job start as CSV (one row each)."),
+) -> None:
+    """Who used the GPUs, on what: sacct's jobs (user, project, GPUs, time, outcome) with their det_lab runs
+    (run, template, dataset, code commit)."""
+    from det_lab.accounting.usage import UsageError, join, parse_since, sacct_jobs, summarize
+    from det_lab.cli.runs_cmds import all_runs
+    from det_lab.core import local_checkpoint_dir
+
+    if as_json and as_csv:
+        fail("pass --json or --csv, not both")
+    settings = state(ctx).settings
+    try:
+        start = parse_since(since)
+        rows_by = by  # checked by summarize, before sacct runs
+        summarize([], rows_by)
+        jobs = sacct_jobs(start)
+    except UsageError as exc:
+        fail(str(exc))
+
+    def checkpoints(run):
+        st = run.state()
+        project = ((st.get("exp_conf") or {}).get("data", {}).get("det_lab", {}) or {}).get("project")
+        return local_checkpoint_dir(settings, project, st.get("exp_conf")) if project else None
+
+    jobs = join(jobs, ((r, checkpoints(r)) for r in all_runs(settings)))
+    summary = summarize(jobs, by)
+    if as_json:
+        typer.echo(json.dumps({"since": start.isoformat(timespec="seconds"), "by": by, "summary": summary,
+                               "jobs": [j.as_dict() for j in jobs]}))
+        return
+    if as_csv:
+        import csv
+        import sys
+
+        fields = list(jobs[0].as_dict()) if jobs else ["job_id"]
+        writer = csv.DictWriter(sys.stdout, fieldnames=fields, lineterminator="\n")
+        writer.writeheader()
+        for j in jobs:
+            writer.writerow(j.as_dict())
+        return
+    from rich.table import Table
+
+    table = Table(by, "jobs", "GPU-hours", "hours", "det-lab runs", "outcomes",
+                  title=f"GPU use since {start:%Y-%m-%d %H:%M} by {by}", title_justify="left")
+    for r in summary:
+        outcomes = ", ".join(f"{n} {s}" for s, n in sorted(r["outcomes"].items()))
+        table.add_row(str(r[by]), str(r["jobs"]), f"{r['gpu_hours']:.2f}", f"{r['elapsed_hours']:.2f}",
+                      str(r["runs"]), outcomes)
+    console.print(table)
+    runs = [j for j in jobs if j.run]
+    if runs:
+        detail = Table("job", "user", "project", "GPUs", "minutes", "state", "run", "template", "dataset", "commit",
+                       title="det-lab runs", title_justify="left")
+        for j in runs:
+            detail.add_row(j.job_id, j.user, j.account, str(j.gpus), f"{j.elapsed_s / 60:.1f}", j.state.lower(),
+                           j.run or "", j.template or "", j.dataset or "", (j.code_commit or "")[:12])
+        console.print(detail)
