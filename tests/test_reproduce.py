@@ -185,16 +185,6 @@ def test_compare_verdicts():
     assert wide.verdict.startswith("reproduced within tolerance") and wide.metrics[0].max_abs == pytest.approx(0.1)
 
 
-def test_reproduce_by_mlflow_run_id(moved):
-    lab = moved
-    summary = json.loads((runs_dir(lab) / "orig" / "tracking-summary.json").read_text())
-    run_id = summary["backends"][0]["run_id"]
-    out, new = reproduce(lab, run_id)
-    assert "found by mlflow run id" in out and "verdict: reproduced exactly" in out
-    assert losses(lab, new["name"]) == losses(lab, "orig")
-    assert new["reproduces"]["mlflow_run_id"] == run_id
-
-
 def test_dirty_tree_reproduces_from_its_saved_patch_found_by_aim_hash(moved):
     """A run made from a tree with local changes (one file changed, one untracked), tracked to
     MLflow and Aim, found again by its Aim run hash after the tree was cleaned."""
@@ -218,6 +208,34 @@ def test_dirty_tree_reproduces_from_its_saved_patch_found_by_aim_hash(moved):
     assert (Path(new["cwd"]) / "scale.py").read_text() == "FACTOR = 3.0\n"
     assert new["lineage"]["code"]["patch_sha256"] == dirty["patch_sha256"]
     assert git(lab.repo, "status", "--porcelain") == ""  # the user's tree is left as it was
+
+
+def test_vla_template_reproduced_from_its_mlflow_run_id(moved):
+    """The shipped VLA template (committed into the code repository; a small LeRobot demo as
+    ``vla-demo``), shortened with --set, found by its MLflow run id and re-run from the start."""
+    from det_lab.data.demo import make_vla_demo
+    from det_lab.data.publish import publish_directory
+    from det_lab.data.registry import register
+
+    lab = moved
+    demo = make_vla_demo(lab.tmp / "vla-src" / "vla-demo", episodes=4, frames_per_episode=10, image_size=16)
+    register(lab.settings, "vla-demo", publish_directory(lab.settings, "vla", "vla-demo", demo, "vla demo"))
+    shutil.copytree(Path(__file__).resolve().parents[1] / "experiment_templates" / "vla", lab.repo / "vla",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    git(lab.repo, "add", "vla")
+    git(lab.repo, "commit", "--quiet", "-m", "vla template", "--", "vla")
+    sets = ["--set", "data.det_lab.max_length.batches=20", "--set", "min_checkpoint_period.batches=10",
+            "--set", "min_validation_period.batches=10", "--set", "data.det_lab.reporting_batches=5",
+            "--set", "hyperparameters.global_batch_size=4"]
+    ok(lab.cli("run", str(lab.repo / "vla"), "--local", "--run", "vla-orig", *sets))
+    orig = state(lab, "vla-orig")
+    assert orig["lineage"]["template"] == "vla" and orig["lineage"]["code"]["subdir"] == "vla"
+    run_id = json.loads((runs_dir(lab) / "vla-orig" / "tracking-summary.json").read_text())["backends"][0]["run_id"]
+    out, new = reproduce(lab, run_id)
+    assert "reproducing vla-orig (found by mlflow run id)" in out and "verdict: reproduced exactly" in out
+    assert losses(lab, new["name"]) == losses(lab, "vla-orig")
+    assert new["reproduces"]["mlflow_run_id"] == run_id
+    assert {"validation/val_action_l1", "training/action_l1"} <= {f"{g}/{k}" for g, _, m in losses(lab, "vla-orig") for k in m}
 
 
 def test_runs_diff_names_exactly_the_three_differences(moved):
