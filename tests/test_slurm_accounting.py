@@ -302,6 +302,25 @@ def test_jobs_run_while_slurmdbd_is_down_and_their_records_arrive_after(acct):
     assert 2 <= int(records[later]["elapsed"]) <= 5 and records[later]["account"] == "vla"
 
 
+def test_mariadb_unreachable_is_one_line_and_applies_nothing(acct):
+    lab, cluster = acct["lab"], acct["cluster"]
+    change = acct["tmp"] / "slurm-change.yaml"
+    more = [m if m["user"] != USER_B else {**m, "projects": [*m["projects"], EXTRA]} for m in members()]
+    cluster.slurm_yaml(change, members=more, deny_on_limit=True)
+    cluster.stop_daemon("mariadbd")
+    try:
+        for args in (("slurm", "accounts"), ("usage", "--since", "1h")):
+            proc = lab_cli(lab, {"DET_LAB_SLURM_CONFIG": str(change)}, *args)
+            assert proc.returncode == 2 and proc.stdout == "", proc.stdout
+            (line,) = proc.stderr.strip().splitlines()
+            assert line.startswith("error: sacct") and "Unable to connect to database" in line, line
+    finally:
+        cluster.start_daemon("mariadbd")
+    cluster.wait_dbd(60)
+    assert not {a for a in assocs(cluster) if EXTRA in a}  # nothing of the change was made
+    assert "nothing to change" in lab.cli("slurm", "accounts", check=True).stdout
+
+
 def _sshare(cluster: SlurmCluster) -> dict[str, float]:
     out = cluster.run("sshare", "-A", "vla", "-a", "-P", "-n", "-o", "User,FairShare").stdout
     return {u: float(f) for u, f in (line.split("|") for line in out.splitlines()) if u and f}
