@@ -118,6 +118,7 @@ def test_reproduce_by_run_name_uses_old_code_and_old_data(moved):
     assert [m for m in losses(lab, "newer") if m[0] == "training"] != [m for m in losses(lab, "orig") if m[0] == "training"]
     # what it ran: the first commit (in a scratch worktree) and the first dataset revision
     assert new["lineage"]["code"]["commit"] == lab.first_commit != newer["lineage"]["code"]["commit"]
+    assert new["lineage"]["code"]["repo"] == str(lab.repo)  # the repository, not the scratch worktree
     assert new["lineage"]["dataset"]["md5"] == orig["lineage"]["dataset"]["md5"] != newer["lineage"]["dataset"]["md5"]
     assert MSE in (Path(new["cwd"]) / "train.py").read_text()
     assert new["reproduces"]["run"] == "orig" and new["reproduction"]["verdict"] == "reproduced exactly"

@@ -1,7 +1,7 @@
 """The parts of a trial's lineage that let it be rebuilt: its code and its Python environment.
 
 - :func:`code_lineage`: the git repository holding the trial's code (its ``origin`` URL, else its
-  path), the commit, the template's directory in it and that directory's tree hash (the
+  path; for a worktree, the repository's main work tree), the commit, the template's directory in it and that directory's tree hash (the
   template's version), and, for a tree with local changes, those changes saved as
   ``code.patch`` next to the run's record (tracked changes and untracked files, as
   ``git apply`` takes them back). A patch over :data:`PATCH_CAP` bytes is not saved: the file
@@ -74,8 +74,10 @@ def code_lineage(path: Path, record_dir: Path | None, cap: int = PATCH_CAP) -> d
     root = Path(top.strip())
     subdir = os.path.relpath(Path(path).resolve(), root.resolve())
     remote = (_git(root, "remote", "get-url", "origin") or "").strip()
+    common = Path((_git(root, "rev-parse", "--path-format=absolute", "--git-common-dir") or "").strip() or root)
+    main_tree = common.parent if common.name == ".git" else root  # a worktree's repository (det-lab reproduce's)
     tree = _git(root, "rev-parse", f"HEAD:{subdir}" if subdir != "." else "HEAD^{tree}")
-    code: dict[str, Any] = {"repo": os.environ.get(CODE_REPO_ENV) or remote or str(root), "root": str(root),
+    code: dict[str, Any] = {"repo": os.environ.get(CODE_REPO_ENV) or remote or str(main_tree), "root": str(root),
                             "commit": commit.strip(), "subdir": subdir,
                             "template_tree": tree.strip() if tree else None, "dirty": False}
     changes, size = working_changes(root, cap)
