@@ -517,3 +517,63 @@ def test_token_refresh_keeps_the_old_token_when_the_master_is_down(lab, tmp_path
         del lab.env["DET_USER"], lab.env["DET_PASS"]
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "did not answer the login" in proc.stderr
     assert token.read_text() == "old-token"
+
+
+def test_squeue_lines_of_other_slurm_versions_and_typed_gpus():
+    """squeue's gres column as 22.05 (``gres:gpu:2``), 23.02+ (``gres/gpu:2``) and typed GPUs print it;
+    a 2-node job counts its per-node GPUs twice; a name with the separator stays whole; final states go."""
+    from det_lab.monitoring.slurm import parse_squeue
+
+    text = "\n".join([
+        "11|alice|vla|a100|RUNNING|None|2026-12-01T10:00:00|2026-12-01T10:00:05|gres:gpu:2|1|train",
+        "12|bob|isaac|a100|RUNNING|None|2026-12-01T10:00:00|2026-12-01T10:00:05|gres/gpu:a100:4|2|rl|sweep",
+        "13|carol|(null)|rtx|PENDING|QOSMaxGRESPerUser|2026-12-01T09:00:00|N/A|gres/gpu:1|1|wait",
+        "14|dave|vla|rtx|COMPLETED|None|2026-12-01T09:00:00|2026-12-01T09:00:01|gres/gpu:1|1|done",
+        "15|erin|vla|cpu|RUNNING|None|2026-12-01T09:00:00|2026-12-01T09:00:01|N/A|1|cpu-only",
+    ])
+    jobs = {j.job_id: j for j in parse_squeue(text)}
+    assert sorted(jobs) == ["11", "12", "13", "15"]
+    assert [jobs[i].gpus for i in ("11", "12", "13", "15")] == [2, 8, 1, 0]
+    assert jobs["12"].name == "rl|sweep" and jobs["13"].account == "" and jobs["13"].reason == "QOSMaxGRESPerUser"
+
+
+def test_a_scrape_never_waits_for_a_slow_refresh():
+    """After its first read a source past its ttl answers with its last figures while it refreshes in
+    the background; the next scrape after the refresh has the new ones (and a vanished series is gone)."""
+    import threading
+
+    from prometheus_client import generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+
+    from det_lab.monitoring.exporter import registry_for
+
+    class Queue:
+        name, ttl = "queue", 0.2
+
+        def __init__(self) -> None:
+            self.jobs, self.release = ["7", "8"], threading.Event()
+            self.reads = 0
+
+        def collect(self):
+            self.reads += 1
+            if self.reads > 1:
+                self.release.wait(10)  # a slow squeue
+            fam = GaugeMetricFamily("det_lab_test_job", "", labels=["job_id"])
+            for j in self.jobs:
+                fam.add_metric([j], 1)
+            return [fam]
+
+    source = Queue()
+    registry, collector = registry_for([source])
+    assert {l["job_id"] for l, _ in samples(generate_latest(registry).decode(), "det_lab_test_job")} == {"7", "8"}
+    source.jobs = ["8"]  # job 7 finished
+    time.sleep(0.3)
+    start = time.perf_counter()
+    text = generate_latest(registry).decode()
+    assert time.perf_counter() - start < 0.5  # not the 10 s the refresh could take
+    assert {l["job_id"] for l, _ in samples(text, "det_lab_test_job")} == {"7", "8"}
+    (_, age), = samples(text, "det_lab_scrape_age_seconds")
+    assert age >= 0.3
+    source.release.set()
+    assert collector.wait_refreshes(10)
+    assert {l["job_id"] for l, _ in samples(generate_latest(registry).decode(), "det_lab_test_job")} == {"8"}

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from pathlib import Path
 
 import typer
@@ -52,13 +51,13 @@ def exporter(
     console.print(f"det-lab exporter on http://{address}:{port}/metrics: {', '.join(s.name for s in sources)}",
                   highlight=False)
     import signal
+    import threading
 
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.shutdown()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # systemd stops it with SIGTERM; Ctrl-C by hand
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    server.shutdown()
 
 
 @app.command("config")

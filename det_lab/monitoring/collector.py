@@ -1,7 +1,10 @@
 """The exporter's collector: every scrape builds its metrics afresh from each source.
 
 A source is slow (``squeue``, a walk of the volume) or fast (NVML); each says how long its figures
-may be reused (``ttl``). A source that fails exports no series of its own and sets
+may be reused (``ttl``). A source is read in the scrape the first time; after that, a scrape that
+finds its answer older than ``ttl`` answers with it and starts a refresh in the background, so a
+scrape never waits for a walk of a large volume or a ``squeue`` that hangs (the answer it gives is
+at most ``ttl`` plus one refresh old). A ``ttl`` of 0 reads the source in every scrape. A source that fails exports no series of its own and sets
 ``det_lab_scrape_error{source}`` to 1: a broken ``squeue`` must never read as an idle cluster. A
 label set that is gone from a source (a finished job) is gone from the next scrape, because
 nothing is kept between scrapes except each source's last whole answer, for its ``ttl``.
@@ -56,6 +59,7 @@ class _Cached:
     metrics: list[Metric] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
+    refreshing: bool = False
 
 
 class LabCollector(Collector):
@@ -71,15 +75,23 @@ class LabCollector(Collector):
     def _read(self, source: Source) -> _Cached:
         cached = self._cache[source.name]
         now = self._clock()
-        if now - cached.at < source.ttl:
+        if now - cached.at < source.ttl or cached.refreshing:
             return cached
+        if cached.at == float("-inf") or source.ttl <= 0:
+            fresh = self._refresh(source)
+            return fresh
+        cached.refreshing = True
+        threading.Thread(target=self._refresh, args=(source,), name=f"refresh-{source.name}", daemon=True).start()
+        return cached
+
+    def _refresh(self, source: Source) -> _Cached:
         start = time.perf_counter()
         try:
             metrics, error = list(source.collect()), None
         except Exception as exc:  # any failure of a source is its scrape error, never the exporter's
             metrics, error = [], f"{type(exc).__name__}: {exc}"
-        fresh = _Cached(now, metrics, error, time.perf_counter() - start)
-        self._cache[source.name] = fresh
+        fresh = _Cached(self._clock(), metrics, error, time.perf_counter() - start)
+        self._cache[source.name] = fresh  # one assignment: a scrape sees the old answer or the new one
         return fresh
 
     def collect(self) -> Iterator[Metric]:
@@ -90,16 +102,30 @@ class LabCollector(Collector):
                                   labels=["source"])
         seconds = GaugeMetricFamily(PREFIX + "scrape_duration_seconds", "how long the source's last refresh took",
                                     labels=["source"])
+        age = GaugeMetricFamily(PREFIX + "scrape_age_seconds",
+                                "how old the source's answer is (its ttl, plus a refresh under way)", labels=["source"])
         self.last_errors = {}
+        now = self._clock()
         for name, answer in answers.items():
             error.add_metric([name], 1.0 if answer.error else 0.0)
             seconds.add_metric([name], answer.seconds)
+            age.add_metric([name], max(now - answer.at, 0.0))
             if answer.error:
                 self.last_errors[name] = answer.error
         yield error
         yield seconds
+        yield age
         for answer in answers.values():
             yield from answer.metrics
+
+    def wait_refreshes(self, timeout: float = 60.0) -> bool:
+        """Wait for background refreshes under way; False if one is still running at ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while any(c.refreshing for c in self._cache.values()):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.01)
+        return True
 
     def describe(self) -> list[Metric]:
         return []  # unchecked: the families differ from scrape to scrape

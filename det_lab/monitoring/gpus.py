@@ -9,7 +9,6 @@ pid's cgroup, which the recording rules join to Determined's ``det_container_id_
 
 from __future__ import annotations
 
-import os
 import pwd
 import re
 import socket
