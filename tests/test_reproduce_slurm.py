@@ -11,7 +11,7 @@ from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluste
 from tests.test_reproduce import git, ok
 
 
-def test_a_slurm_run_reproduced_locally(tmp_path, slurm_cluster: SlurmCluster, slurm_volume: Path):
+def test_a_slurm_run_reproduced_locally_and_on_slurm(tmp_path, slurm_cluster: SlurmCluster, slurm_volume: Path):
     lab = make_slurm_lab(tmp_path, None, slurm_cluster, slurm_volume)
     repo = tmp_path / "code"
     shutil.copytree(TINY, repo / "trial", ignore=shutil.ignore_patterns("__pycache__"))
@@ -33,3 +33,9 @@ def test_a_slurm_run_reproduced_locally(tmp_path, slurm_cluster: SlurmCluster, s
     assert [(d["section"], d["field"], d["a"], d["b"]) for d in diff["differences"]] == \
         [("scheduler", "scheduler", "slurm", "local")]
     assert diff["ids"]["a"]["slurm_job_id"] == lineage["slurm_job_id"] and "slurm_job_id" not in diff["ids"]["b"]
+
+    out = ok(lab.cli("reproduce", name, "--slurm", "--run", f"{name}-again"))
+    assert "Slurm job" in out and "verdict: reproduced exactly" in out
+    again = lab.root / "outputs" / "vla" / "slurm-runs" / f"{name}-again"
+    assert (again / "metrics.jsonl").read_text() == (slurm_dir / "metrics.jsonl").read_text()
+    assert json.loads((again / "run.json").read_text())["reproduces"]["run"] == name
