@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from det_lab.accounting.limits import pending_words
 from tests.conftest import Lab
 from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_acct_cluster, slurm_volume  # noqa: F401
 
@@ -142,7 +143,7 @@ def test_accounts_match_the_config_idempotently_and_leave_root_and_foreign_accou
     before = sacctmgr_state(cluster)
     dry = lab_cli(lab, env, "slurm", "accounts", "--dry-run")
     assert dry.returncode == 0, dry.stderr
-    assert f"would add account {EXTRA} (fairshare 1, the project at most 1 GPUs)" in dry.stdout
+    assert f"would add account {EXTRA} (fairshare 1, the project at most 1 GPU)" in dry.stdout
     assert f"would add user {ghost} to account {EXTRA}" in dry.stdout
     assert f"warning: member {ghost} is not a Unix user" in dry.stderr
     assert sacctmgr_state(cluster) == before  # a dry run changes nothing
@@ -159,6 +160,17 @@ def test_accounts_match_the_config_idempotently_and_leave_root_and_foreign_accou
     assert not {a for a in have if EXTRA in a or ghost in a}
     assert {("root", "root"), ("root", ""), (f"byhand{PID}", USER_B), (f"byhand{PID}", "")} <= have
     assert "nothing to change" in lab.cli("slurm", "accounts", check=True).stdout
+
+    # a project whose account exists but was made by hand is refused, not taken over
+    clash = acct["tmp"] / "slurm-clash.yaml"
+    cluster.slurm_yaml(clash, members=[*members()[:2], {"user": USER_B, "projects": ["vla", SIDE, f"byhand{PID}"]}],
+                       deny_on_limit=True)
+    before = sacctmgr_state(cluster)
+    proc = lab_cli(lab, {"DET_LAB_SLURM_CONFIG": str(clash)}, "slurm", "accounts")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: account byhand{PID} exists in Slurm but det-lab did not make it: rename the project or remove "
+        f"the account by hand (sacctmgr delete account byhand{PID})"]
+    assert sacctmgr_state(cluster) == before
 
 
 def lab_cli(lab: Lab, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
@@ -219,7 +231,7 @@ def test_a_members_second_run_waits_on_their_gpu_limit_and_starts_after_the_firs
     wait_until(lambda: job(cluster, first_id).get("JobState") == "RUNNING", 60, "the first run to start")
     wait_until(lambda: job(cluster, second_id)["Reason"] != "None", 15, "the scheduler to look at the second run")
     assert job(cluster, second_id)["Reason"] == "QOSMaxGRESPerUser"
-    words = "waiting: root already uses 1 of their 1 GPUs (QOSMaxGRESPerUser)"
+    words = "waiting: root already uses 1 of their 1 GPU (QOSMaxGRESPerUser)"
     rows = {r["name"]: r for r in map(json.loads, lab.cli("runs", "list", "--json", check=True).stdout.splitlines())}
     assert rows[second.name]["status"] == "pending" and rows[second.name]["waiting"] == words
     assert rows[first.name]["waiting"] is None and rows[first.name]["user"] == "root"
@@ -340,7 +352,11 @@ def test_the_member_who_used_less_starts_first(acct):
     finally:
         cluster.run("scancel", blocker)
     wait_until(lambda: job(cluster, b).get("JobState") in ("RUNNING", "COMPLETED"), 60, "B's job to start")
-    assert job(cluster, a)["JobState"] == "PENDING"  # both GPUs are B's: A's waits behind it
+    pending = job(cluster, a)
+    assert pending["JobState"] == "PENDING"  # both GPUs are B's: A's waits behind it, and says so
+    assert pending_words(pending) in ("waiting: no free GPUs or CPUs yet (Resources)",
+                                      "waiting: other jobs come first (fair-share: whoever used the GPUs least "
+                                      "lately) (Priority)")
     wait_until(lambda: job(cluster, a).get("JobState") == "COMPLETED", 60, "A's job")
     assert job(cluster, b)["StartTime"] <= job(cluster, a)["StartTime"]
 

@@ -111,7 +111,8 @@ def pending_words(job: dict[str, str], cluster: str | None = None) -> str | None
     try:
         if reason == "QOSMaxGRESPerUser":
             limit = _qos_gpus(qos, "MaxTRESPU")
-            return f"waiting: {user} already uses {_running_gpus('-u', user)} of their {limit} GPUs ({reason})"
+            unit = "GPU" if limit == "1" else "GPUs"
+            return f"waiting: {user} already uses {_running_gpus('-u', user)} of their {limit} {unit} ({reason})"
         if reason == "AssocGrpGRES":
             limit = _account_gpus(account, cluster)
             return f"waiting: project {account} already uses {_running_gpus('-A', account)} of its {limit} GPUs ({reason})"

@@ -91,6 +91,10 @@ def read_state(cluster: str) -> SlurmState:
     return st
 
 
+def gpus(n: int) -> str:
+    return f"{n} GPU" + ("" if n == 1 else "s")
+
+
 def qos_name(limit: int, deny: bool) -> str:
     return f"{QOS_PREFIX}{limit}" + ("-deny" if deny else "")
 
@@ -155,7 +159,7 @@ def plan(slurm: SlurmSettings, st: SlurmState) -> Plan:
     for name, n in wanted_qos.items():
         if name not in st.qos:
             flags = ["Flags=DenyOnLimit"] if acct.deny_on_limit else []
-            p.add("add", f"QOS {name} (each user at most {n} GPU{'s' if n != 1 else ''}"
+            p.add("add", f"QOS {name} (each user at most {gpus(n)}"
                          f"{', refused at submission beyond' if acct.deny_on_limit else ''})",
                   "add", "qos", name, f"Description={MARK} per-user GPU limit {n}", f"MaxTRESPerUser=gres/gpu={n}",
                   *flags)
@@ -164,7 +168,7 @@ def plan(slurm: SlurmSettings, st: SlurmState) -> Plan:
     for account in acct.accounts():
         lim = acct.projects.get(account)
         fs, grp = str(lim.fairshare if lim else 1), _gpu_tres(lim.gpu_limit if lim else None)
-        words = f"fairshare {fs}, " + (f"the project at most {lim.gpu_limit} GPUs" if grp else "no project GPU limit")
+        words = f"fairshare {fs}, " + (f"the project at most {gpus(lim.gpu_limit)}" if grp else "no project GPU limit")
         if account not in st.accounts:
             p.add("add", f"account {account} ({words})", "add", "account", account, f"cluster={cluster}",
                   f"Description={MARK} project {account}", f"Organization={MARK}", f"Fairshare={fs}",
@@ -177,7 +181,7 @@ def plan(slurm: SlurmSettings, st: SlurmState) -> Plan:
     wanted = _desired_user_assocs(acct)
     for m in acct.members:
         limit = acct.gpu_limit(m)
-        words = f"at most {limit} GPUs" if limit is not None else "no GPU limit"
+        words = f"at most {gpus(limit)}" if limit is not None else "no GPU limit"
         for project in m.projects:
             fs, qos, defqos = wanted[(m.user, project)]
             have = st.user_assocs.get((m.user, project))
