@@ -577,3 +577,53 @@ def test_a_scrape_never_waits_for_a_slow_refresh():
     source.release.set()
     assert collector.wait_refreshes(10)
     assert {l["job_id"] for l, _ in samples(generate_latest(registry).decode(), "det_lab_test_job")} == {"8"}
+
+
+def test_config_targets_come_from_the_slurm_and_cluster_configs(tmp_path):
+    """Without --machine: the Slurm nodes and Determined agents of the lab's configs; GPU machines get
+    dcgm-exporter and a GPU exporter, every machine node_exporter; the master comes from cluster.yaml.
+    A damaged slurm.yaml is one error line and nothing written."""
+    _need_prometheus()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CONFIG_HOME=str(tmp_path / "xdg"))
+    lab = Lab(root=tmp_path / "data", config=tmp_path / "lab.yaml", env=env)
+    lab.write_config()
+    state = lab.root / ".det-lab"
+    state.mkdir(parents=True)
+    (state / "slurm.yaml").write_text(yaml.safe_dump({"nodes": [
+        {"name": "gpu-a", "cpus": 8, "gpus": 2, "gpu_kind": "a100"}, {"name": "cpu-b", "cpus": 4}]}))
+    (state / "cluster.yaml").write_text(yaml.safe_dump({
+        "master_host": "det-master", "master_port": 8443,
+        "pools": [{"name": "default", "agents": ["gpu-a", "det-c"]}]}))
+    out = tmp_path / "out"
+    lab.cli("monitor", "config", "--out", str(out), check=True)
+    conf = yaml.safe_load((out / "prometheus" / "prometheus.yml").read_text())
+    targets = {j["job_name"]: j["static_configs"][0]["targets"] for j in conf["scrape_configs"]}
+    assert targets == {"det-lab": ["localhost:9540"], "det-lab-node": ["det-c:9540", "gpu-a:9540"],
+                       "node": ["cpu-b:9100", "det-c:9100", "gpu-a:9100"], "dcgm": ["det-c:9400", "gpu-a:9400"],
+                       "determined-state": ["det-master:8443"], "determined-master": ["det-master:8443"]}
+    check = subprocess.run(["promtool", "check", "config", str(out / "prometheus" / "prometheus.yml")],
+                           capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    (state / "slurm.yaml").write_text("nodes: [{name: gpu-a, gpus: 2}]\n")  # gpus without gpu_kind
+    proc = lab.cli("monitor", "config", "--out", str(tmp_path / "out2"))
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "gpu_kind is needed" in proc.stderr
+    assert not (tmp_path / "out2").exists()
+
+
+def test_a_gpu_process_is_attributed_to_its_user_slurm_job_and_run(tmp_path):
+    """What the GPU source labels each NVML process with, read from /proc for a real process of
+    another user (NVML itself needs a driver, absent here)."""
+    from det_lab.monitoring.gpus import process_owner
+
+    if os.geteuid() != 0:
+        pytest.skip("starting a process as nobody needs root")
+    env = {"PATH": "/usr/bin:/bin", "SLURM_JOB_ID": "4242", "DET_LAB_LOCAL_RUN": str(tmp_path / "vla-act-7" / "run.json")}
+    proc = subprocess.Popen(["sleep", "30"], env=env, user="nobody", group="nogroup")
+    try:
+        time.sleep(0.2)
+        assert process_owner(proc.pid) == {"user": "nobody", "slurm_job": "4242", "run": "vla-act-7", "container": ""}
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_owner(proc.pid)["user"] == ""  # gone: nothing to say, no error
