@@ -26,7 +26,7 @@ import yaml
 from det_lab.tracking.mlflow_server import free_port
 from tests.conftest import VENV_BIN, Lab, publish_tiny_data
 from tests.monitoring_alert_cases import CASES, promtool_tests
-from tests.slurm_cluster import NODE, _binary, slurm_cluster  # noqa: F401 (fixture)
+from tests.slurm_cluster import SlurmCluster, slurm_acct_cluster, slurm_cluster  # noqa: F401 (fixtures)
 
 REPO = Path(__file__).resolve().parents[1]
 #: where the README's pictures come from: set to a directory to keep this run's report there
@@ -432,9 +432,7 @@ def test_missing_squeue_is_an_error_not_an_idle_cluster(lab, slurm_cluster):  # 
 
 def test_stopped_slurmctld_sets_the_slurm_error_while_others_export(exporter, slurm_cluster):  # noqa: F811
     """Last in the module: slurmctld is stopped, then started again on its saved state."""
-    index = next(i for i, p in enumerate(slurm_cluster.procs) if Path(p.args[0]).name == "slurmctld")
-    slurm_cluster.procs[index].send_signal(signal.SIGTERM)
-    slurm_cluster.procs[index].wait(timeout=30)
+    slurm_cluster.stop_daemon("slurmctld")
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -447,10 +445,7 @@ def test_stopped_slurmctld_sets_the_slurm_error_while_others_export(exporter, sl
         assert not samples(text, "det_lab_slurm_jobs") and not samples(text, "det_lab_slurm_gpus")
         assert samples(text, "det_lab_volume_project_bytes") and samples(text, "det_lab_runs")
     finally:
-        log = open(slurm_cluster.dir / "log" / "slurmctld.out", "ab")
-        slurm_cluster.procs[index] = subprocess.Popen(
-            [_binary("slurmctld"), "-D", "-i"], env={**os.environ, **slurm_cluster.env}, stdout=log,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        slurm_cluster.start_daemon("slurmctld")
         slurm_cluster.wait_idle()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -627,3 +622,68 @@ def test_a_gpu_process_is_attributed_to_its_user_slurm_job_and_run(tmp_path):
         proc.kill()
         proc.wait()
     assert process_owner(proc.pid)["user"] == ""  # gone: nothing to say, no error
+
+
+ACCT_ID = os.getpid() % 100000
+ACCT_USER, ACCT_ACCOUNT, ACCT_QOS = f"dlm{ACCT_ID}", f"mon{ACCT_ID}", f"mon{ACCT_ID}gpu1"
+
+
+def test_accounting_a_job_pending_on_its_gpu_limit_and_fair_share(slurm_acct_cluster: SlurmCluster):  # noqa: F811
+    """On the accounting cluster (slurmdbd + MariaDB): a real Unix user under a QOS of one GPU per user;
+    their second 1-GPU job pends on QOSMaxGRESPerUser, and the exporter says so, with their fair-share
+    as sshare prints it."""
+    if shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("needs useradd and runuser (Debian's passwd and util-linux) to make a Unix user")
+    cluster = slurm_acct_cluster
+    env = {**os.environ, **cluster.env}
+    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/bin/sh", ACCT_USER],
+                   check=True, capture_output=True)
+    jobs: list[str] = []
+    try:
+        cluster.run("sacctmgr", "-i", "add", "account", ACCT_ACCOUNT, "Description=monitoring", "Organization=det-lab")
+        cluster.run("sacctmgr", "-i", "add", "qos", ACCT_QOS, "MaxTRESPerUser=gres/gpu=1")
+        cluster.run("sacctmgr", "-i", "add", "user", ACCT_USER, f"Account={ACCT_ACCOUNT}", f"QOS={ACCT_QOS}",
+                    f"DefaultQOS={ACCT_QOS}")
+        for name in ("first", "second"):
+            proc = subprocess.run(["runuser", "-u", ACCT_USER, "--", "sbatch", "--parsable", "-D", "/tmp", "-o", "/dev/null",
+                                   "-A", ACCT_ACCOUNT, "--qos", ACCT_QOS, "--gres=gpu:1", "-J", f"mon-{name}",
+                                   "--wrap", "sleep 120"], env=env, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stderr
+            jobs.append(proc.stdout.strip().split(";")[0])
+        deadline = time.monotonic() + 60
+        while True:
+            states = [cluster.run("squeue", "-h", "-j", j, "-o", "%T %r").stdout.split() for j in jobs]
+            if states == [["RUNNING", "None"], ["PENDING", "QOSMaxGRESPerUser"]]:
+                break
+            assert time.monotonic() < deadline, f"jobs of {ACCT_USER}: {states}"
+            time.sleep(0.5)
+
+        from prometheus_client import generate_latest
+
+        from det_lab.monitoring.exporter import registry_for
+        from det_lab.monitoring.slurm import SlurmSource
+
+        registry, collector = registry_for([SlurmSource(env=env)])
+        text = generate_latest(registry).decode()
+        assert not collector.last_errors
+        pending = {l["job_id"]: (l["user"], l.get("account"), l["reason"])
+                   for l, _ in samples(text, "det_lab_slurm_job_pending_seconds")}
+        assert pending[jobs[1]] == (ACCT_USER, ACCT_ACCOUNT, "QOSMaxGRESPerUser")
+        held = {(l["user"], l.get("account")): v for l, v in samples(text, "det_lab_slurm_user_gpus_allocated")}
+        assert held[(ACCT_USER, ACCT_ACCOUNT)] == 1
+        shares = {(l["account"], l["user"]): v for l, v in samples(text, "det_lab_slurm_fairshare")}
+        sshare = cluster.run("sshare", "-P", "-h", "-o", "Account,User,FairShare", "-A", ACCT_ACCOUNT, "-u", ACCT_USER).stdout
+        (line,) = [ln for ln in sshare.splitlines() if ln.split("|")[1] == ACCT_USER]
+        assert shares[(ACCT_ACCOUNT, ACCT_USER)] == float(line.split("|")[2])
+    finally:
+        for j in jobs:
+            cluster.run("scancel", j, check=False)
+        deadline = time.monotonic() + 30
+        while jobs and cluster.run("squeue", "-h", "-j", ",".join(jobs), check=False).stdout.strip():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        cluster.run("sacctmgr", "-i", "delete", "user", ACCT_USER, check=False)
+        cluster.run("sacctmgr", "-i", "delete", "qos", ACCT_QOS, check=False)
+        cluster.run("sacctmgr", "-i", "delete", "account", ACCT_ACCOUNT, check=False)
+        subprocess.run(["userdel", ACCT_USER], capture_output=True)
