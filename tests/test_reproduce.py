@@ -277,6 +277,17 @@ def test_refuses_an_unreachable_commit_naming_repository_and_how_to_fetch(moved)
     assert "refused" not in git(lab.repo, "worktree", "list")
 
 
+def test_continue_refuses_a_checkpoint_gone_from_the_volume(moved):
+    lab = moved
+    copy = runs_dir(lab) / "lost-checkpoint"
+    shutil.copytree(runs_dir(lab) / "orig", copy)
+    st = json.loads((copy / "run.json").read_text())
+    st["latest_checkpoint"] = "00000000-0000-4000-8000-000000000000"
+    (copy / "run.json").write_text(json.dumps(st))
+    err = refused(lab, "lost-checkpoint", "--continue")
+    assert "checkpoint 00000000-0000-4000-8000-000000000000 of run lost-checkpoint is gone from the volume" in err
+
+
 def test_refuses_a_tracker_run_without_lineage(moved):
     lab = moved
     exp = lab.mlflow.create_experiment("not-det-lab")

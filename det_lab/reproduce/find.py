@@ -132,27 +132,51 @@ def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunReco
 
 
 def _tracker_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str] | None, dict[str, str]]:
-    """The tags of tracker run ``ref``: an MLflow run id, else an Aim run hash."""
-    tracking = settings.tracking
-    if tracking.mlflow_uri or tracking.backend in ("mlflow", "both"):
-        from det_lab.tracking.mlflow_reader import _client
-
-        try:
-            run = _client(settings).get_run(ref)
-            return dict(run.data.tags), {"mlflow_run_id": ref}
-        except Exception:  # noqa: BLE001 (no such run, or the server does not answer: try Aim)
-            pass
-    if tracking.aim_repo or tracking.backend in ("aim", "both"):
-        from det_lab.tracking.aim_backend import META_SECTION
-        from det_lab.tracking.aim_reader import _repo
-
-        try:
-            run = _repo(settings).get_run(ref)
-        except Exception:  # noqa: BLE001
-            run = None
-        if run is not None:
-            return {str(k): str(v) for k, v in (run.get(META_SECTION) or {}).items()}, {"aim_run_hash": ref}
+    """The tags of tracker run ``ref``: an MLflow run id (32 hex digits) or an Aim run hash, each
+    asked of the tracker it looks like first."""
+    lookups = [_mlflow_tags, _aim_tags]
+    if len(ref) != 32:
+        lookups.reverse()
+    for lookup in lookups:
+        found = lookup(settings, ref)
+        if found is not None:
+            return found
     return None, {}
+
+
+def _mlflow_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str], dict[str, str]] | None:
+    if not (settings.tracking.mlflow_uri or settings.tracking.backend in ("mlflow", "both")):
+        return None
+    import os
+
+    # one try, not MLflow's minutes of retries: a server that is down means "not found here"
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+    from mlflow.tracking import MlflowClient
+
+    from det_lab.tracking.mlflow_backend import default_local_uri
+
+    try:
+        run = MlflowClient(tracking_uri=settings.tracking.mlflow_uri or default_local_uri()).get_run(ref)
+    except Exception:  # noqa: BLE001 (no such run, or no server answering)
+        return None
+    return dict(run.data.tags), {"mlflow_run_id": ref}
+
+
+def _aim_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str], dict[str, str]] | None:
+    if not (settings.tracking.aim_repo or settings.tracking.backend in ("aim", "both")):
+        return None
+    from det_lab.tracking.aim_backend import META_SECTION, default_local_repo
+
+    try:
+        from aim import Repo
+
+        run = Repo(settings.tracking.aim_repo or default_local_repo()).get_run(ref)
+    except Exception:  # noqa: BLE001 (no repository there, or no server answering)
+        return None
+    if run is None:
+        return None
+    return {str(k): str(v) for k, v in (run.get(META_SECTION) or {}).items()}, {"aim_run_hash": ref}
 
 
 def _from_tags(ref: str, tags: dict[str, str], tracker: dict[str, str], records: list[LocalRunRecord]) -> Origin:

@@ -92,7 +92,7 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
                              "it cannot be rebuilt")
     conf = pinned_config(origin)
     project = lab_section(conf).project
-    start = _start_checkpoint(origin) if continue_ else None
+    start = _start_checkpoint(settings, origin) if continue_ else None
     serve_dataset(settings, origin, conf)
     base = origin.name if len(origin.name) < 60 else origin.name[:60]
     name = name or f"{base}-repro-{dt.datetime.now():%H%M%S}-{uuid.uuid4().hex[:4]}"
@@ -124,10 +124,18 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
     return Plan(origin, record, cwd, command, scratch, start["step"] if start else 0)
 
 
-def _start_checkpoint(origin: Origin) -> dict[str, Any]:
+def _start_checkpoint(settings: LabSettings, origin: Origin) -> dict[str, Any]:
+    """The checkpoint ``--continue`` starts from: the one named, else the run's latest; it must
+    still be on the volume."""
+    from det_lab.reproduce.find import find_checkpoint
+
     if origin.checkpoint:
-        return origin.checkpoint
-    state = origin.state
-    if not state.get("latest_checkpoint"):
+        start = origin.checkpoint
+    elif origin.state.get("latest_checkpoint"):
+        start = {"uuid": origin.state["latest_checkpoint"], "step": int(origin.state.get("latest_checkpoint_step") or 0)}
+    else:
         raise ReproduceError(f"run {origin.name} has no checkpoint to continue from")
-    return {"uuid": state["latest_checkpoint"], "step": int(state.get("latest_checkpoint_step") or 0)}
+    if find_checkpoint(VolumeLayout.from_settings(settings), start["uuid"]) is None:
+        raise ReproduceError(f"checkpoint {start['uuid']} of run {origin.name} is gone from the volume: "
+                             "reproduce the run from the start (without --continue)")
+    return start
