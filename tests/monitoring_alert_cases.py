@@ -146,4 +146,17 @@ def promtool_tests(rule_files: list[str]) -> dict:
         "exp_samples": [{"labels": 'lab:det_gpu_task:info{gpu_uuid="GPU-x",container_id="c1",allocation_id="a1",'
                                    'task_id="t1",task_actor="x",job_id="j1",instance="m:8080",job="determined-state"}',
                          "value": 1}]}]})
+    # a Determined container's user: from the GPU process det_lab's exporter sees in it (live mappings only)
+    tests.append({"interval": "1m", "input_series": [
+        series("det_lab_gpu_process_memory_bytes", {**NODE, "gpu": "0", "uuid": "GPU-x", "pid": "300", "user": "carol",
+                                                     "slurm_job": "", "run": "", "container": "rt1"}, "1e9x20"),
+        series("det_lab_gpu_process_memory_bytes", {**NODE, "gpu": "1", "uuid": "GPU-y", "pid": "301", "user": "dan",
+                                                     "slurm_job": "", "run": "", "container": "rt0"}, "1e9x20"),
+        series("det_container_id_runtime_container_id", {"container_runtime_id": "rt1", "container_id": "c1",
+                                                         "instance": "m:8080", "job": "determined-state"}, "1x20"),
+        series("det_container_id_runtime_container_id", {"container_runtime_id": "rt0", "container_id": "c0",
+                                                         "instance": "m:8080", "job": "determined-state"}, "0x20"),
+     ], "promql_expr_test": [{"expr": "lab:det_container_user:info", "eval_time": "10m",
+                              "exp_samples": [{"labels": 'lab:det_container_user:info{container_id="c1",user="carol"}',
+                                               "value": 1}]}]})
     return {"rule_files": rule_files, "evaluation_interval": "1m", "tests": tests}

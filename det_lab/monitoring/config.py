@@ -1,8 +1,8 @@
 """``det-lab monitor config``: prometheus.yml, the rules, Grafana provisioning and systemd units.
 
 Targets come from the lab's configs: every Slurm node (``<data root>/.det-lab/slurm.yaml``) and
-every Determined agent (``cluster.yaml`` pools) gets node_exporter and a det-lab exporter of its
-GPUs; machines with GPUs get dcgm-exporter; the lab exporter (queue, volume, runs, trackers) runs
+every Determined agent (``cluster.yaml`` pools) gets node_exporter; those with GPUs also a det-lab
+exporter of their GPUs and dcgm-exporter; the lab exporter (queue, volume, runs, trackers) runs
 on one machine. A Determined master is scraped at ``/prom/det-state-metrics`` and
 ``/debug/prom/metrics`` with a bearer token read from a file (``authorization.credentials_file``)
 that ``det-lab monitor token`` renews from a systemd timer; master.yaml carries
@@ -90,12 +90,11 @@ def prometheus_yml(plan: MonitorPlan) -> dict[str, Any]:
     scrape: list[dict[str, Any]] = [
         {"job_name": "det-lab", "static_configs": [{"targets": [plan.lab_exporter], "labels": {"role": "lab"}}]},
     ]
+    if gpu_hosts:
+        scrape.append({"job_name": "det-lab-node", "static_configs": [{
+            "targets": [f"{h}:{DEFAULT_PORT}" for h in gpu_hosts], "labels": {"role": "node"}}]})
     if hosts:
-        scrape += [
-            {"job_name": "det-lab-node", "static_configs": [{"targets": [f"{h}:{DEFAULT_PORT}" for h in gpu_hosts or hosts],
-                                                             "labels": {"role": "node"}}]},
-            {"job_name": "node", "static_configs": [{"targets": [f"{h}:{NODE_EXPORTER_PORT}" for h in hosts]}]},
-        ]
+        scrape.append({"job_name": "node", "static_configs": [{"targets": [f"{h}:{NODE_EXPORTER_PORT}" for h in hosts]}]})
     if gpu_hosts:
         scrape.append({"job_name": "dcgm", "static_configs": [{"targets": [f"{h}:{DCGM_PORT}" for h in gpu_hosts]}]})
     if plan.master:
