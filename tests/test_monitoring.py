@@ -687,3 +687,14 @@ def test_accounting_a_job_pending_on_its_gpu_limit_and_fair_share(slurm_acct_clu
         cluster.run("sacctmgr", "-i", "delete", "qos", ACCT_QOS, check=False)
         cluster.run("sacctmgr", "-i", "delete", "account", ACCT_ACCOUNT, check=False)
         subprocess.run(["userdel", ACCT_USER], capture_output=True)
+
+
+def test_textfile_for_node_exporter_is_written_whole(lab, tmp_path):
+    out = tmp_path / "textfile"
+    proc = lab.cli("exporter", "--textfile", str(out), "--source", "volume", "--source", "runs", check=True)
+    assert f"wrote {out / 'det_lab.prom'}" in proc.stdout
+    assert [p.name for p in out.iterdir()] == ["det_lab.prom"]  # no temp file left beside it
+    text = (out / "det_lab.prom").read_text()
+    assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"volume": 0, "runs": 0}
+    assert {l["project"] for l, _ in samples(text, "det_lab_volume_project_bytes")} == {"vla", "isaac", "3dgs"}
+    assert not samples(text, "det_lab_slurm_jobs")  # only the sources asked for
