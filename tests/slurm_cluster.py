@@ -334,7 +334,17 @@ def slurm_acct_cluster() -> Iterator[SlurmCluster]:
     writes a slurm.yaml for ``det-lab --slurm-config`` / ``det-lab slurm accounts``, which creates the
     accounts and limits (nothing but root exists at start); ``cluster.stop_daemon("slurmdbd")`` /
     ``cluster.start_daemon("slurmdbd")`` + ``cluster.wait_dbd()``. Tests share it: make your own
-    accounts and users (distinct names) and cancel your jobs."""
+    accounts and users (distinct names) and cancel your jobs. Note that ``det-lab slurm accounts``
+    removes every det-lab-made account and QOS its config does not name (tests/test_slurm_accounting.py
+    syncs projects ``vla`` and ``side<pid>``): a module that needs accounts of its own should make them
+    with plain ``sacctmgr -i add account ...`` (never touched by the sync) or sync them again itself.
+
+    For a job pending on a limit (what tests/test_slurm_accounting.py does): ``sacctmgr -i add qos q1
+    MaxTRESPerUser=gres/gpu=1``, ``sacctmgr -i add account a1``, ``sacctmgr -i add user root account=a1
+    qos=q1 defaultqos=q1``; two ``sbatch -A a1 --gres=gpu:1`` jobs: the second pends with
+    ``QOSMaxGRESPerUser``. For ``sshare``: usage is counted when a job ends and fair-share recomputed
+    every minute. Jobs as another Unix user: ``runuser -u USER -- sbatch -D /tmp -o /dev/null ...``
+    (the cluster's directory is world-readable for that)."""
     missing = missing_binaries(BINARIES + ACCOUNTING_BINARIES)
     if missing:
         pytest.skip(f"Slurm accounting needs Debian's slurmdbd and mariadb-server packages (missing "

@@ -18,18 +18,22 @@ import csv
 import io
 import json
 import os
-import pwd
 import shutil
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from det_lab.accounting.limits import pending_words
 from tests.conftest import Lab
-from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_acct_cluster, slurm_volume  # noqa: F401
+from tests.slurm_cluster import (  # noqa: F401
+    TINY,
+    SlurmCluster,
+    make_slurm_lab,
+    slurm_acct_cluster,
+    slurm_volume,
+)
 
 PID = os.getpid() % 100000
 USER_A, USER_B = f"dla{PID}", f"dlb{PID}"
@@ -355,8 +359,8 @@ def test_the_member_who_used_less_starts_first(acct):
     pending = job(cluster, a)
     assert pending["JobState"] == "PENDING"  # both GPUs are B's: A's waits behind it, and says so
     assert pending_words(pending) in ("waiting: no free GPUs or CPUs yet (Resources)",
-                                      "waiting: other jobs come first (fair-share: whoever used the GPUs least "
-                                      "lately) (Priority)")
+                                      ("waiting: other jobs come first (fair-share: whoever used the GPUs least "
+                                       "lately) (Priority)"))
     wait_until(lambda: job(cluster, a).get("JobState") == "COMPLETED", 60, "A's job")
     assert job(cluster, b)["StartTime"] <= job(cluster, a)["StartTime"]
 

@@ -18,7 +18,13 @@ def usage(
 ) -> None:
     """Who used the GPUs, on what: sacct's jobs (user, project, GPUs, time, outcome) with their det_lab runs
     (run, template, dataset, code commit)."""
-    from det_lab.accounting.usage import UsageError, join, parse_since, sacct_jobs, summarize
+    from det_lab.accounting.usage import (
+        UsageError,
+        join,
+        parse_since,
+        sacct_jobs,
+        summarize,
+    )
     from det_lab.cli.runs_cmds import all_runs
     from det_lab.core import local_checkpoint_dir
 

@@ -116,7 +116,12 @@ def password_file(acct: AccountingSettings, private: Path) -> Path:
 
 def db_password(acct: AccountingSettings, env: dict[str, str] | None = None) -> tuple[Path, str, bool]:
     """The database password (generated once, 0600): its file, value and whether it was just made."""
-    from det_lab.cluster.secrets import DB_PASSWORD_LENGTH, ensure_private_dir, ensure_secret, private_dir
+    from det_lab.cluster.secrets import (
+        DB_PASSWORD_LENGTH,
+        ensure_private_dir,
+        ensure_secret,
+        private_dir,
+    )
 
     private = private_dir(env)
     path = password_file(acct, private)
