@@ -115,7 +115,10 @@ def test_reproduce_by_run_name_uses_old_code_and_old_data(moved):
     orig, newer = state(lab, "orig"), state(lab, "newer")
     # bitwise the same metrics, step by step; not those of the code and data main has now
     assert losses(lab, new["name"]) == losses(lab, "orig")
-    assert [m for m in losses(lab, "newer") if m[0] == "training"] != [m for m in losses(lab, "orig") if m[0] == "training"]
+    def training(name: str) -> list:
+        return [m for m in losses(lab, name) if m[0] == "training"]
+
+    assert training("newer") != training("orig")
     # what it ran: the first commit (in a scratch worktree) and the first dataset revision
     assert new["lineage"]["code"]["commit"] == lab.first_commit != newer["lineage"]["code"]["commit"]
     assert new["lineage"]["code"]["repo"] == str(lab.repo)  # the repository, not the scratch worktree
@@ -181,7 +184,8 @@ def test_compare_verdicts():
     within = compare(recs(1.0, 0.5), recs(1.0, 0.5 * (1 + 1e-7)))
     assert within.verdict == "reproduced within tolerance (rtol=1e-05, atol=1e-08)"
     assert within.metrics[0].max_rel == pytest.approx(1e-7)
-    assert compare(recs(1.0, 0.5, 0.25), recs(1.0, 0.5)).verdict == "diverged at step 30 (training/loss)"  # a step missing
+    missing_step = compare(recs(1.0, 0.5, 0.25), recs(1.0, 0.5))
+    assert missing_step.verdict == "diverged at step 30 (training/loss)"
     wide = compare(recs(1.0, 0.5), recs(1.0, 0.6), rtol=0.5)
     assert wide.verdict.startswith("reproduced within tolerance") and wide.metrics[0].max_abs == pytest.approx(0.1)
 
@@ -236,7 +240,8 @@ def test_vla_template_reproduced_from_its_mlflow_run_id(moved):
     assert "reproducing vla-orig (found by mlflow run id)" in out and "verdict: reproduced exactly" in out
     assert losses(lab, new["name"]) == losses(lab, "vla-orig")
     assert new["reproduces"]["mlflow_run_id"] == run_id
-    assert {"validation/val_action_l1", "training/action_l1"} <= {f"{g}/{k}" for g, _, m in losses(lab, "vla-orig") for k in m}
+    keys = {f"{g}/{k}" for g, _, m in losses(lab, "vla-orig") for k in m}
+    assert {"validation/val_action_l1", "training/action_l1"} <= keys
 
 
 def test_runs_diff_names_exactly_the_three_differences(moved):
@@ -306,7 +311,8 @@ def test_refuses_a_dataset_revision_whose_objects_are_gone(moved):
         if d.is_dir():
             d.chmod(0o755)
     shutil.rmtree(snap)
-    manifest = json.loads(next((lab.root / "dvc-cache" / "vla").rglob(md5.removesuffix(".dir")[2:] + ".dir")).read_text())
+    stem = md5.removesuffix(".dir")
+    manifest = json.loads(next((lab.root / "dvc-cache" / "vla").rglob(stem[2:] + ".dir")).read_text())
     for stem in [md5.removesuffix(".dir") + ".dir", *(e["md5"] for e in manifest)]:
         for store in (lab.root / "dvc-cache" / "vla", lab.root / "datasets" / "vla"):
             for obj in store.rglob(stem[2:]):
@@ -333,7 +339,8 @@ def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
     code = code_lineage(repo / "t", record, cap=100)
     assert code["dirty"] and code["patch_capped"] and code["patch_bytes"] > 100 and code["subdir"] == "t"
     note = (record / "code.patch").read_text()
-    assert note.startswith("# det_lab: local changes not saved") and f"{code['patch_bytes']} bytes exceed the cap of 100" in note
+    assert note.startswith("# det_lab: local changes not saved")
+    assert f"{code['patch_bytes']} bytes exceed the cap of 100" in note
     with pytest.raises(ReproduceError, match="over the patch cap and were not saved"):
         apply_patch(code, tmp_path, record / "code.patch")
     (repo / "t" / "big.bin").write_bytes(bytes(range(256)) * 40)  # untracked, past the cap: only its size counts

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 def reproduce(
     ctx: typer.Context,
     ref: str = typer.Argument(..., metavar="RUN|CHECKPOINT_UUID|MLFLOW_RUN_ID|AIM_RUN_HASH",
-                              help="What names the run: its name, a checkpoint's UUID, its MLflow run id or Aim run hash."),
+                              help="The run's name, a checkpoint's UUID, its MLflow run id or its Aim run hash."),
     local_mode: bool = typer.Option(False, "--local", help="Re-run it here (the default)."),
     slurm: bool = typer.Option(False, "--slurm", help="Re-run it as a Slurm job (and wait for it)."),
     continue_: bool = typer.Option(False, "--continue",
@@ -51,7 +51,8 @@ def reproduce(
     _environment(rows, note)
     code = origin.lineage["code"]
     ds = origin.lineage.get("dataset") or {}
-    start = f" from checkpoint {plan.record.state()['latest_checkpoint']} (step {plan.from_step})" if plan.from_step else ""
+    latest = plan.record.state()["latest_checkpoint"]
+    start = f" from checkpoint {latest} (step {plan.from_step})" if plan.from_step else ""
     console.print(f"reproducing {origin.name} (found by {origin.found_by}) as run {plan.record.dir.name}{start}\n"
                   f"  code: {code.get('repo')} at {code['commit']}"
                   f"{' + its saved local changes' if code.get('dirty') else ''}\n"

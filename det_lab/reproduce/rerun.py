@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from det_lab.data.directory import DIRECTORY_REV
 from det_lab.reproduce.code import checkout, remove
 from det_lab.reproduce.find import Origin, ReproduceError
 from det_lab.settings import LabSettings
@@ -49,8 +50,6 @@ def pinned_config(origin: Origin) -> dict[str, Any]:
     conf = copy.deepcopy(origin.config)
     lab = conf.setdefault("data", {}).setdefault("det_lab", {})
     ds = origin.lineage.get("dataset")
-    from det_lab.data.directory import DIRECTORY_REV
-
     if ds and ds.get("rev") == DIRECTORY_REV:  # a directory read in place: the same directory, hash checked
         lab["dataset"] = {"dir": ds["repo"]}
     elif ds:
@@ -132,7 +131,8 @@ def _start_checkpoint(settings: LabSettings, origin: Origin) -> dict[str, Any]:
     if origin.checkpoint:
         start = origin.checkpoint
     elif origin.state.get("latest_checkpoint"):
-        start = {"uuid": origin.state["latest_checkpoint"], "step": int(origin.state.get("latest_checkpoint_step") or 0)}
+        state = origin.state
+        start = {"uuid": state["latest_checkpoint"], "step": int(state.get("latest_checkpoint_step") or 0)}
     else:
         raise ReproduceError(f"run {origin.name} has no checkpoint to continue from")
     if find_checkpoint(VolumeLayout.from_settings(settings), start["uuid"]) is None:

@@ -1,8 +1,9 @@
 """The parts of a trial's lineage that let it be rebuilt: its code and its Python environment.
 
 - :func:`code_lineage`: the git repository holding the trial's code (its ``origin`` URL, else its
-  path; for a worktree, the repository's main work tree), the commit, the template's directory in it and that directory's tree hash (the
-  template's version), and, for a tree with local changes, those changes saved as
+  path; for a worktree, the repository's main work tree), the commit, the template's directory
+  in it and that directory's tree hash (the template's version), and, for a tree with local
+  changes, those changes saved as
   ``code.patch`` next to the run's record (tracked changes and untracked files, as
   ``git apply`` takes them back). A patch over :data:`PATCH_CAP` bytes is not saved: the file
   then holds a one-line note and ``patch_capped`` is true.
