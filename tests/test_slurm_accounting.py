@@ -82,7 +82,8 @@ def acct(tmp_path_factory, slurm_acct_cluster: SlurmCluster, slurm_volume: Path,
     tmp = tmp_path_factory.mktemp("slurm-acct-lab")
     cluster = slurm_acct_cluster
     lab = make_slurm_lab(tmp, None, cluster, slurm_volume)
-    slurm_yaml = cluster.slurm_yaml(tmp / "slurm.yaml", members=members(), deny_on_limit=True)
+    slurm_yaml = cluster.slurm_yaml(tmp / "slurm.yaml", members=members(), deny_on_limit=True,
+                                    projects={SIDE: {"gpu_limit": 1}})
     lab.env["DET_LAB_SLURM_CONFIG"] = str(slurm_yaml)
     first = lab.cli("slurm", "accounts")
     assert first.returncode == 0, first.stdout + first.stderr
@@ -142,7 +143,7 @@ def test_accounts_match_the_config_idempotently_and_leave_root_and_foreign_accou
     ghost = f"ghost{PID}"
     bigger = acct["tmp"] / "slurm-bigger.yaml"
     cluster.slurm_yaml(bigger, members=members({"user": ghost, "projects": [EXTRA]}), deny_on_limit=True,
-                       projects={EXTRA: {"gpu_limit": 1}})
+                       projects={SIDE: {"gpu_limit": 1}, EXTRA: {"gpu_limit": 1}})
     env = {"DET_LAB_SLURM_CONFIG": str(bigger)}
     before = sacctmgr_state(cluster)
     dry = lab_cli(lab, env, "slurm", "accounts", "--dry-run")
@@ -168,7 +169,7 @@ def test_accounts_match_the_config_idempotently_and_leave_root_and_foreign_accou
     # a project whose account exists but was made by hand is refused, not taken over
     clash = acct["tmp"] / "slurm-clash.yaml"
     cluster.slurm_yaml(clash, members=[*members()[:2], {"user": USER_B, "projects": ["vla", SIDE, f"byhand{PID}"]}],
-                       deny_on_limit=True)
+                       deny_on_limit=True, projects={SIDE: {"gpu_limit": 1}})
     before = sacctmgr_state(cluster)
     proc = lab_cli(lab, {"DET_LAB_SLURM_CONFIG": str(clash)}, "slurm", "accounts")
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
@@ -252,6 +253,21 @@ def test_a_members_second_run_waits_on_their_gpu_limit_and_starts_after_the_firs
     acct["runs"] = (first, second)
 
 
+def test_a_projects_gpu_limit_holds_across_its_members_jobs(acct, monkeypatch):
+    cluster = acct["cluster"]
+    assert f"add account {SIDE} (fairshare 1, the project at most 1 GPU)" in acct["first_sync"].stdout
+    first = as_user(cluster, USER_B, "-A", SIDE, "--gres=gpu:1", "--wrap", "sleep 4")
+    second = as_user(cluster, USER_B, "-A", SIDE, "--gres=gpu:1", "--wrap", "sleep 1")
+    wait_until(lambda: job(cluster, first).get("JobState") == "RUNNING", 60, "the first job")
+    wait_until(lambda: job(cluster, second)["Reason"] != "None", 15, "the scheduler to look at the second job")
+    waiting = job(cluster, second)
+    assert waiting["Reason"] == "AssocGrpGRES"
+    monkeypatch.setenv("SLURM_CONF", str(cluster.conf))
+    assert pending_words(waiting) == f"waiting: project {SIDE} already uses 1 of its 1 GPU (AssocGrpGRES)"
+    wait_until(lambda: job(cluster, second).get("JobState") == "COMPLETED", 60, "the second job")
+    assert job(cluster, second)["StartTime"] >= job(cluster, first)["EndTime"]
+
+
 def test_usage_lists_every_run_joined_to_its_record_and_adds_up(acct):
     lab, cluster = acct["lab"], acct["cluster"]
     if "runs" not in acct:
@@ -322,7 +338,7 @@ def test_mariadb_unreachable_is_one_line_and_applies_nothing(acct):
     lab, cluster = acct["lab"], acct["cluster"]
     change = acct["tmp"] / "slurm-change.yaml"
     more = [m if m["user"] != USER_B else {**m, "projects": [*m["projects"], EXTRA]} for m in members()]
-    cluster.slurm_yaml(change, members=more, deny_on_limit=True)
+    cluster.slurm_yaml(change, members=more, deny_on_limit=True, projects={SIDE: {"gpu_limit": 1}})
     cluster.stop_daemon("mariadbd")
     try:
         for args in (("slurm", "accounts"), ("usage", "--since", "1h")):

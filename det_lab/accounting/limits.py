@@ -115,7 +115,9 @@ def pending_words(job: dict[str, str], cluster: str | None = None) -> str | None
             return f"waiting: {user} already uses {_running_gpus('-u', user)} of their {limit} {unit} ({reason})"
         if reason == "AssocGrpGRES":
             limit = _account_gpus(account, cluster)
-            return f"waiting: project {account} already uses {_running_gpus('-A', account)} of its {limit} GPUs ({reason})"
+            unit = "GPU" if limit == "1" else "GPUs"
+            return (f"waiting: project {account} already uses {_running_gpus('-A', account)} of its {limit} {unit} "
+                    f"({reason})")
         if reason == "QOSGrpGRES":
             limit = _qos_gpus(qos, "GrpTRES")
             return f"waiting: QOS {qos} already uses all of its {limit} GPUs ({reason})"
