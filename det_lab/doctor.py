@@ -70,6 +70,7 @@ def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) 
         lambda: _service_checks(settings),
         lambda: _backup_checks(settings),
         lambda: _tsdb_checks(mounts_file),
+        lambda: _accounting_checks(settings),
     ):
         try:
             checks.extend(produce())
@@ -100,6 +101,31 @@ def as_json(checks: list[Check]) -> dict:
 
 
 # --- the shared volume -------------------------------------------------------------------------
+
+def _accounting_checks(settings: LabSettings) -> Iterator[Check]:
+    """With Slurm accounting in slurm.yaml: slurmdbd and its database answer, and the cluster is registered."""
+    from det_lab.slurm.settings import SlurmConfigError, load_slurm_settings
+
+    try:
+        slurm = load_slurm_settings(settings)
+    except SlurmConfigError:
+        return  # det-lab slurm commands say what is wrong with it
+    if slurm.accounting is None:
+        return
+    from det_lab.accounting.sync import AccountingError, sacctmgr
+
+    try:
+        clusters = sacctmgr("show", "cluster", "format=Cluster", timeout=15).split()
+    except AccountingError as exc:
+        yield Check("slurm accounting", "warn", str(exc),
+                    "start MariaDB, then slurmdbd, then slurmctld ('det-lab slurm config' prints the set-up)")
+        return
+    if slurm.cluster_name not in clusters:
+        yield Check("slurm accounting", "warn", f"slurmdbd answers, but cluster {slurm.cluster_name} is not registered",
+                    "start slurmctld (it registers its cluster), then run 'det-lab slurm accounts'")
+        return
+    yield Check("slurm accounting", "pass", f"slurmdbd answers; cluster {slurm.cluster_name} registered")
+
 
 def _volume_checks(settings: LabSettings, mounts_file: Path) -> Iterator[Check]:
     root = settings.data_root

@@ -346,11 +346,16 @@ def test_mariadb_unreachable_is_one_line_and_applies_nothing(acct):
             assert proc.returncode == 2 and proc.stdout == "", proc.stdout
             (line,) = proc.stderr.strip().splitlines()
             assert line.startswith("error: sacct") and "Unable to connect to database" in line, line
+        (doctor,) = [c for c in json.loads(lab.cli("doctor", "--json").stdout)["checks"]
+                     if c["name"] == "slurm accounting"]
+        assert doctor["status"] == "warn" and "Unable to connect to database" in doctor["detail"]
     finally:
         cluster.start_daemon("mariadbd")
     cluster.wait_dbd(60)
     assert not {a for a in assocs(cluster) if EXTRA in a}  # nothing of the change was made
     assert "nothing to change" in lab.cli("slurm", "accounts", check=True).stdout
+    (doctor,) = [c for c in json.loads(lab.cli("doctor", "--json").stdout)["checks"] if c["name"] == "slurm accounting"]
+    assert (doctor["status"], doctor["detail"]) == ("pass", "slurmdbd answers; cluster detlabacct registered")
 
 
 def _sshare(cluster: SlurmCluster) -> dict[str, float]:
