@@ -160,28 +160,92 @@ def _run_jobs(slurm_cluster, submit):  # noqa: F811
             slurm_cluster.run("scancel", job, check=False)
 
 
+ACCT_ID = os.getpid() % 100000
+ACCT_USER, ACCT_ACCOUNT, ACCT_QOS = f"dlm{ACCT_ID}", f"mon{ACCT_ID}", f"mon{ACCT_ID}gpu1"
+
+
 @pytest.fixture(scope="module")
-def exporter(lab, slurm_cluster, jobs):  # noqa: F811
-    """``det-lab exporter`` as a user starts it, every source, on a loopback port."""
+def acct_jobs(slurm_acct_cluster: SlurmCluster):  # noqa: F811
+    """On the accounting cluster (slurmdbd + MariaDB): a real Unix user under a QOS of one GPU per user,
+    whose first 1-GPU job runs and second pends on that limit (QOSMaxGRESPerUser)."""
+    if shutil.which("useradd") is None or shutil.which("runuser") is None:
+        pytest.skip("needs useradd and runuser (Debian's passwd and util-linux) to make a Unix user")
+    cluster = slurm_acct_cluster
+    env = {**os.environ, **cluster.env}
+    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/bin/sh", ACCT_USER],
+                   check=True, capture_output=True)
+    jobs: list[str] = []
+    try:
+        cluster.run("sacctmgr", "-i", "add", "account", ACCT_ACCOUNT, "Description=monitoring", "Organization=det-lab")
+        cluster.run("sacctmgr", "-i", "add", "qos", ACCT_QOS, "MaxTRESPerUser=gres/gpu=1")
+        cluster.run("sacctmgr", "-i", "add", "user", ACCT_USER, f"Account={ACCT_ACCOUNT}", f"QOS={ACCT_QOS}",
+                    f"DefaultQOS={ACCT_QOS}")
+        for name in ("first", "second"):
+            proc = subprocess.run(["runuser", "-u", ACCT_USER, "--", "sbatch", "--parsable", "-D", "/tmp", "-o", "/dev/null",
+                                   "-A", ACCT_ACCOUNT, "--qos", ACCT_QOS, "--gres=gpu:1", "-J", f"mon-{name}",
+                                   "--wrap", "sleep 600"], env=env, capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stderr
+            jobs.append(proc.stdout.strip().split(";")[0])
+        deadline = time.monotonic() + 60
+        while True:
+            states = [cluster.run("squeue", "-h", "-j", j, "-o", "%T %r").stdout.split() for j in jobs]
+            if states == [["RUNNING", "None"], ["PENDING", "QOSMaxGRESPerUser"]]:
+                break
+            assert time.monotonic() < deadline, f"jobs of {ACCT_USER}: {states}"
+            time.sleep(0.5)
+        yield {"cluster": cluster, "env": env, "running": jobs[0], "pending": jobs[1]}
+    finally:
+        for j in jobs:
+            cluster.run("scancel", j, check=False)
+        deadline = time.monotonic() + 30
+        while jobs and cluster.run("squeue", "-h", "-j", ",".join(jobs), check=False).stdout.strip():
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        cluster.run("sacctmgr", "-i", "delete", "user", ACCT_USER, check=False)
+        cluster.run("sacctmgr", "-i", "delete", "qos", ACCT_QOS, check=False)
+        cluster.run("sacctmgr", "-i", "delete", "account", ACCT_ACCOUNT, check=False)
+        subprocess.run(["userdel", ACCT_USER], capture_output=True)
+
+
+def start_exporter(env: dict[str, str], *sources: str):
+    """``det-lab exporter`` as a user starts it, on a loopback port; (url, process)."""
     port = free_port()
-    env = {**lab.env, **slurm_cluster.env}
     proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "exporter", "--port", str(port), "--address", "127.0.0.1",
-                             *(a for s in ("gpus", "slurm", "volume", "runs", "trackers") for a in ("--source", s))],
+                             *(a for s in sources for a in ("--source", s))],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}/metrics"
     deadline = time.monotonic() + 30
     while True:
         try:
             _get(url)
-            break
+            return url, proc
         except OSError:
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 raise AssertionError(f"exporter did not start: {proc.communicate()[0]}") from None
             time.sleep(0.3)
-    yield url
+
+
+def stop_exporter(proc: subprocess.Popen) -> None:
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=15)
+
+
+@pytest.fixture(scope="module")
+def acct_exporter(lab, acct_jobs):
+    """A second exporter, of the accounting cluster's queue only."""
+    url, proc = start_exporter({**lab.env, **acct_jobs["cluster"].env}, "slurm")
+    yield url
+    stop_exporter(proc)
+
+
+@pytest.fixture(scope="module")
+def exporter(lab, slurm_cluster, jobs):  # noqa: F811
+    """``det-lab exporter`` as a user starts it, every source, on a loopback port."""
+    url, proc = start_exporter({**lab.env, **slurm_cluster.env}, "gpus", "slurm", "volume", "runs", "trackers")
+    yield url
+    stop_exporter(proc)
 
 
 @pytest.fixture(scope="module")
@@ -204,13 +268,15 @@ def rendered(lab, exporter, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def prometheus(rendered, exporter, tmp_path_factory):
-    """A real Prometheus on loopback with the rendered rules, scraping only the lab exporter (the other
-    rendered targets are machines that do not exist here)."""
+def prometheus(rendered, exporter, acct_exporter, tmp_path_factory):
+    """A real Prometheus on loopback with the rendered rules, scraping the lab exporter and the accounting
+    cluster's (the other rendered targets are machines that do not exist here)."""
     _need_prometheus()
     tmp = tmp_path_factory.mktemp("prometheus")
     conf = yaml.safe_load((rendered / "prometheus" / "prometheus.yml").read_text())
     conf["scrape_configs"] = [j for j in conf["scrape_configs"] if j["job_name"] == "det-lab"]
+    conf["scrape_configs"][0]["static_configs"].append(
+        {"targets": [urllib.parse.urlparse(acct_exporter).netloc], "labels": {"role": "lab", "cluster": "acct"}})
     conf["rule_files"] = [str(rendered / "prometheus" / f) for f in conf["rule_files"]]
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(conf))
     port = free_port()
@@ -220,7 +286,8 @@ def prometheus(rendered, exporter, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:
-        while not _has(url, "lab:user_gpus_allocated:sum") or not _has(url, "det_lab_volume_project_bytes"):
+        while not all(_has(url, e) for e in ("lab:user_gpus_allocated:sum", "det_lab_volume_project_bytes",
+                                             'det_lab_slurm_jobs{cluster="acct"}')):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"Prometheus had no data from the exporter:\n{(tmp / 'prometheus.log').read_text()[-3000:]}")
             time.sleep(1)
@@ -336,14 +403,14 @@ def test_exporter_reports_the_queue_volume_runs_and_backlog(exporter, jobs, lab)
     assert not samples(text, "det_lab_gpu_utilization_ratio")  # no NVIDIA driver here: no series, no error
 
 
-def test_every_dashboard_panel_returns_the_series_it_shows(prometheus, rendered, jobs):
+def test_every_dashboard_panel_returns_the_series_it_shows(prometheus, rendered, jobs, acct_jobs):
     from det_lab.monitoring.dashboards import panels_of
 
     results: dict[str, list[dict]] = {}
     needs_absent = []
     for path in sorted((rendered / "grafana" / "dashboards").glob("*.json")):
         for title, expr, labels, needs in panels_of(json.loads(path.read_text())):
-            if needs:  # a GPU driver, a Determined master, slurmdbd: not on this machine
+            if needs in ("gpu", "determined"):  # a GPU driver, a Determined master: not on this machine
                 needs_absent.append((title, needs))
                 continue
             deadline = time.monotonic() + 20
@@ -354,11 +421,14 @@ def test_every_dashboard_panel_returns_the_series_it_shows(prometheus, rendered,
                 missing = [lbl for lbl in labels if not series["metric"].get(lbl)]
                 assert not missing, f"panel {title!r}: a series without {missing}: {series['metric']}"
             results[title] = result
-    assert sorted(n for _, n in needs_absent) == ["accounting", "determined", "gpu", "gpu", "gpu"]
+    assert sorted(n for _, n in needs_absent) == ["determined", "gpu", "gpu", "gpu"]
     users = {s["metric"]["user"] for s in results["GPUs allocated per user (Slurm)"]}
-    assert users == {"root", "nobody"}
-    (wait,) = results["Pending jobs' wait so far"]
-    assert (wait["metric"]["job_id"], wait["metric"]["reason"]) == (jobs["pending"], "Resources")
+    assert {"root", "nobody", ACCT_USER} <= users
+    waits = {(s["metric"].get("cluster", "test"), s["metric"]["job_id"], s["metric"]["user"], s["metric"]["reason"])
+             for s in results["Pending jobs' wait so far"]}
+    assert {("test", jobs["pending"], "root", "Resources"),
+            ("acct", acct_jobs["pending"], ACCT_USER, "QOSMaxGRESPerUser")} <= waits
+    assert ACCT_USER in {s["metric"]["user"] for s in results["Fair-share per user"]}
     per_project = {s["metric"]["project"]: float(s["value"][1]) for s in results["Bytes per project"]}
     assert per_project["3dgs"] >= CHECKPOINT_BYTES and per_project["vla"] > 0 and per_project["isaac"] == 0
     quota = {s["metric"]["project"]: float(s["value"][1]) for s in results["Quota used per project"]}
@@ -624,69 +694,21 @@ def test_a_gpu_process_is_attributed_to_its_user_slurm_job_and_run(tmp_path):
     assert process_owner(proc.pid)["user"] == ""  # gone: nothing to say, no error
 
 
-ACCT_ID = os.getpid() % 100000
-ACCT_USER, ACCT_ACCOUNT, ACCT_QOS = f"dlm{ACCT_ID}", f"mon{ACCT_ID}", f"mon{ACCT_ID}gpu1"
-
-
-def test_accounting_a_job_pending_on_its_gpu_limit_and_fair_share(slurm_acct_cluster: SlurmCluster):  # noqa: F811
-    """On the accounting cluster (slurmdbd + MariaDB): a real Unix user under a QOS of one GPU per user;
-    their second 1-GPU job pends on QOSMaxGRESPerUser, and the exporter says so, with their fair-share
-    as sshare prints it."""
-    if shutil.which("useradd") is None or shutil.which("runuser") is None:
-        pytest.skip("needs useradd and runuser (Debian's passwd and util-linux) to make a Unix user")
-    cluster = slurm_acct_cluster
-    env = {**os.environ, **cluster.env}
-    subprocess.run(["useradd", "--no-create-home", "--user-group", "--shell", "/bin/sh", ACCT_USER],
-                   check=True, capture_output=True)
-    jobs: list[str] = []
-    try:
-        cluster.run("sacctmgr", "-i", "add", "account", ACCT_ACCOUNT, "Description=monitoring", "Organization=det-lab")
-        cluster.run("sacctmgr", "-i", "add", "qos", ACCT_QOS, "MaxTRESPerUser=gres/gpu=1")
-        cluster.run("sacctmgr", "-i", "add", "user", ACCT_USER, f"Account={ACCT_ACCOUNT}", f"QOS={ACCT_QOS}",
-                    f"DefaultQOS={ACCT_QOS}")
-        for name in ("first", "second"):
-            proc = subprocess.run(["runuser", "-u", ACCT_USER, "--", "sbatch", "--parsable", "-D", "/tmp", "-o", "/dev/null",
-                                   "-A", ACCT_ACCOUNT, "--qos", ACCT_QOS, "--gres=gpu:1", "-J", f"mon-{name}",
-                                   "--wrap", "sleep 120"], env=env, capture_output=True, text=True, timeout=60)
-            assert proc.returncode == 0, proc.stderr
-            jobs.append(proc.stdout.strip().split(";")[0])
-        deadline = time.monotonic() + 60
-        while True:
-            states = [cluster.run("squeue", "-h", "-j", j, "-o", "%T %r").stdout.split() for j in jobs]
-            if states == [["RUNNING", "None"], ["PENDING", "QOSMaxGRESPerUser"]]:
-                break
-            assert time.monotonic() < deadline, f"jobs of {ACCT_USER}: {states}"
-            time.sleep(0.5)
-
-        from prometheus_client import generate_latest
-
-        from det_lab.monitoring.exporter import registry_for
-        from det_lab.monitoring.slurm import SlurmSource
-
-        registry, collector = registry_for([SlurmSource(env=env)])
-        text = generate_latest(registry).decode()
-        assert not collector.last_errors
-        pending = {l["job_id"]: (l["user"], l.get("account"), l["reason"])
-                   for l, _ in samples(text, "det_lab_slurm_job_pending_seconds")}
-        assert pending[jobs[1]] == (ACCT_USER, ACCT_ACCOUNT, "QOSMaxGRESPerUser")
-        held = {(l["user"], l.get("account")): v for l, v in samples(text, "det_lab_slurm_user_gpus_allocated")}
-        assert held[(ACCT_USER, ACCT_ACCOUNT)] == 1
-        shares = {(l["account"], l["user"]): v for l, v in samples(text, "det_lab_slurm_fairshare")}
-        sshare = cluster.run("sshare", "-P", "-h", "-o", "Account,User,FairShare", "-A", ACCT_ACCOUNT, "-u", ACCT_USER).stdout
-        (line,) = [ln for ln in sshare.splitlines() if ln.split("|")[1] == ACCT_USER]
-        assert shares[(ACCT_ACCOUNT, ACCT_USER)] == float(line.split("|")[2])
-    finally:
-        for j in jobs:
-            cluster.run("scancel", j, check=False)
-        deadline = time.monotonic() + 30
-        while jobs and cluster.run("squeue", "-h", "-j", ",".join(jobs), check=False).stdout.strip():
-            if time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        cluster.run("sacctmgr", "-i", "delete", "user", ACCT_USER, check=False)
-        cluster.run("sacctmgr", "-i", "delete", "qos", ACCT_QOS, check=False)
-        cluster.run("sacctmgr", "-i", "delete", "account", ACCT_ACCOUNT, check=False)
-        subprocess.run(["userdel", ACCT_USER], capture_output=True)
+def test_a_job_pending_on_its_users_gpu_limit_and_fair_share(acct_exporter, acct_jobs):
+    """The accounting cluster's exporter: the second job pends on the user's QOS GPU limit, the first holds
+    their one GPU, and their fair-share is what sshare prints."""
+    text = _get(acct_exporter)
+    assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"slurm": 0}
+    pending = {l["job_id"]: (l["user"], l.get("account"), l["reason"])
+               for l, _ in samples(text, "det_lab_slurm_job_pending_seconds")}
+    assert pending[acct_jobs["pending"]] == (ACCT_USER, ACCT_ACCOUNT, "QOSMaxGRESPerUser")
+    held = {(l["user"], l.get("account")): v for l, v in samples(text, "det_lab_slurm_user_gpus_allocated")}
+    assert held[(ACCT_USER, ACCT_ACCOUNT)] == 1
+    shares = {(l["account"], l["user"]): v for l, v in samples(text, "det_lab_slurm_fairshare")}
+    sshare = acct_jobs["cluster"].run("sshare", "-P", "-h", "-o", "Account,User,FairShare", "-A", ACCT_ACCOUNT,
+                                      "-u", ACCT_USER).stdout
+    (line,) = [ln for ln in sshare.splitlines() if ln.split("|")[1] == ACCT_USER]
+    assert shares[(ACCT_ACCOUNT, ACCT_USER)] == float(line.split("|")[2])
 
 
 def test_textfile_for_node_exporter_is_written_whole(lab, tmp_path):
