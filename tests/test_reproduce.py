@@ -244,6 +244,28 @@ def test_vla_template_reproduced_from_its_mlflow_run_id(moved):
     assert {"validation/val_action_l1", "training/action_l1"} <= keys
 
 
+def test_each_run_is_found_the_same_by_name_checkpoint_uuid_and_mlflow_run_id(moved):
+    """What each reproduction above starts from: the tiny trial's and the VLA template's runs
+    found by all three names give one lineage (run key, commit, dataset, config); runs diff of a
+    run named two ways finds no difference."""
+    from det_lab.reproduce.find import locate
+
+    lab = moved
+    for name in ("orig", "vla-orig"):
+        st = state(lab, name)
+        run_id = json.loads((runs_dir(lab) / name / "tracking-summary.json").read_text())["backends"][0]["run_id"]
+        found = [locate(lab.settings, ref) for ref in (name, st["checkpoints"][0]["uuid"], run_id)]
+        assert [o.found_by for o in found] == ["run", "checkpoint", "mlflow run id"]
+        assert {o.record.dir.name for o in found} == {name}
+        for o in found:
+            assert o.lineage["run_key"] == st["run_key"] and o.config == st["exp_conf"]
+            assert o.lineage["code"] == st["lineage"]["code"] and o.lineage["dataset"] == st["lineage"]["dataset"]
+    st = state(lab, "orig")
+    run_id = json.loads((runs_dir(lab) / "orig" / "tracking-summary.json").read_text())["backends"][0]["run_id"]
+    same = json.loads(ok(lab.cli("runs", "diff", st["latest_checkpoint"], run_id, "--json")))
+    assert same["differences"] == [] and same["a"] == same["b"] == "orig"
+
+
 def test_runs_diff_names_exactly_the_three_differences(moved):
     lab = moved
     result = json.loads(ok(lab.cli("runs", "diff", "orig", "newer", "--json")))

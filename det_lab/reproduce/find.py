@@ -98,13 +98,17 @@ def _from_record(ref: str, record: LocalRunRecord) -> Origin:
 
 
 def _record_by_key(records: list[LocalRunRecord], run_key: str | None) -> LocalRunRecord | None:
+    """The run whose ``run.json`` has ``run_key``; the one whose directory the key names first
+    (``local-<name>``), should a copied directory carry the same key."""
+    matches = []
     for record in records:
         try:
             if run_key and record.state().get("run_key") == run_key:
-                return record
+                matches.append(record)
         except ValueError:
             continue
-    return None
+    named = [r for r in matches if run_key and run_key.endswith(f"-{r.dir.name}")]
+    return (named or matches or [None])[0]
 
 
 def find_checkpoint(layout: VolumeLayout, uuid: str) -> Path | None:
