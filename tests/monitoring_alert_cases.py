@@ -85,6 +85,11 @@ CASES = [
         series("det_lab_scrape_error", {**LAB, "source": "volume"}, "0x55"),
      ], 25, {**LAB, "source": "slurm", "severity": "warning"},
      "det-lab exporter at lab:9540 cannot read its slurm source", 50),
+    ("MonitoringSourceStale", [
+        series("det_lab_scrape_age_seconds", {**LAB, "source": "volume"}, "0+60x25 0x20"),
+        series("det_lab_scrape_age_seconds", {**LAB, "source": "slurm"}, "3x45"),
+     ], 22, {**LAB, "source": "volume", "severity": "warning"},
+     "det-lab exporter at lab:9540 answers with volume figures 22m 0s old (its refresh hangs)", 35),
     ("ProjectNearQuota", [
         series("det_lab_volume_project_bytes", {**LAB, "project": "vla"}, "50x10 95x30 10x20"),
         series("det_lab_volume_project_quota_bytes", {**LAB, "project": "vla"}, "100x60"),

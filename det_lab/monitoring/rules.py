@@ -91,6 +91,9 @@ def alert_rules(t: Thresholds = Thresholds()) -> dict[str, Any]:
         _alert("ExporterDown", "up == 0", "5m", "{{ $labels.job }} exporter at {{ $labels.instance }} is down"),
         _alert("MonitoringSourceFailing", "det_lab_scrape_error == 1", "10m",
                "det-lab exporter at {{ $labels.instance }} cannot read its {{ $labels.source }} source"),
+        _alert("MonitoringSourceStale", "det_lab_scrape_age_seconds > 900", "5m",
+               "det-lab exporter at {{ $labels.instance }} answers with {{ $labels.source }} figures "
+               "{{ $value | humanizeDuration }} old (its refresh hangs)"),
         _alert("ProjectNearQuota", f"lab:project_quota_used:ratio > {t.quota_fraction}", "15m",
                "project {{ $labels.project }} uses {{ $value | humanizePercentage }} of its quota"),
         _alert("VolumeFreeSpaceLow",
