@@ -266,6 +266,30 @@ def test_each_run_is_found_the_same_by_name_checkpoint_uuid_and_mlflow_run_id(mo
     assert same["differences"] == [] and same["a"] == same["b"] == "orig"
 
 
+def test_a_checkpoint_without_a_run_record_is_enough_to_rebuild_the_run(moved):
+    """As a cluster trial leaves it (the master keeps its state, the volume only the checkpoint):
+    a copy of orig's last checkpoint whose lineage names a Determined trial det_lab has no record
+    of. The config, seed and hyperparameters come from the checkpoint's metadata."""
+    import uuid
+
+    lab = moved
+    st = state(lab, "orig")
+    ckpts = lab.root / "checkpoints" / "vla"
+    ref = str(uuid.uuid4())
+    shutil.copytree(ckpts / st["latest_checkpoint"], ckpts / ref)
+    meta = json.loads((ckpts / ref / "metadata.json").read_text())
+    meta["det_lab"].update(run_key="det-c1-e7-t9", scheduler="determined")
+    (ckpts / ref / "metadata.json").write_text(json.dumps(meta))
+    out, new = reproduce(lab, ref)
+    assert "reproducing det-c1-e7-t9 (found by checkpoint)" in out
+    assert "the original's metrics are not on this volume (a cluster run)" in out
+    assert losses(lab, new["name"]) == losses(lab, "orig")  # the same config, seed, code and data as orig
+    diff = json.loads(ok(lab.cli("runs", "diff", ref, "orig", "--json")))
+    assert [(d["section"], d["field"], d["a"], d["b"]) for d in diff["differences"]] == \
+        [("scheduler", "scheduler", "determined", "local")]
+    assert diff["ids"]["a"]["run_key"] == "det-c1-e7-t9"
+
+
 def test_runs_diff_names_exactly_the_three_differences(moved):
     lab = moved
     result = json.loads(ok(lab.cli("runs", "diff", "orig", "newer", "--json")))

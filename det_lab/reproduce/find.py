@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.settings import LabSettings
-from det_lab.trials.record import LocalRunRecord, iter_records
+from det_lab.trials.record import ClusterRunRecord, LocalRunRecord, iter_records
 from det_lab.volume import VolumeLayout
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -37,6 +37,7 @@ class Origin:
     checkpoint: dict[str, Any] | None = None  # {"uuid", "step"} when named by a checkpoint
     found_by: str = "run"
     tracker: dict[str, str] = field(default_factory=dict)
+    record_dir: Path | None = None  # a cluster trial's directory on the volume (it has no run.json)
 
     @property
     def name(self) -> str:
@@ -63,9 +64,10 @@ class Origin:
     def patch_file(self) -> Path | None:
         """The saved local changes of a dirty run (next to its record)."""
         code = self.lineage.get("code") or {}
-        if not code.get("patch") or self.record is None:
+        where = self.record.dir if self.record is not None else self.record_dir
+        if not code.get("patch") or where is None:
             return None
-        return self.record.dir / code["patch"]
+        return where / code["patch"]
 
     def metrics(self) -> list[dict[str, Any]]:
         return self.record.metrics() if self.record else []
@@ -132,7 +134,11 @@ def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunReco
                              "it was not written by a det_lab trial")
     record = _record_by_key(records, lineage.get("run_key"))
     step = int(meta.get("steps_completed", 0))
-    return Origin(uuid, lineage, record, {"uuid": uuid, "step": step, "dir": str(where)}, "checkpoint")
+    origin = Origin(uuid, lineage, record, {"uuid": uuid, "step": step, "dir": str(where)}, "checkpoint")
+    project = ((lineage.get("config") or {}).get("data") or {}).get("det_lab", {}).get("project")
+    if record is None and project and lineage.get("run_key"):  # a cluster trial: its saved patch is there
+        origin.record_dir = ClusterRunRecord(layout, project, lineage["run_key"]).dir
+    return origin
 
 
 def _tracker_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str] | None, dict[str, str]]:
