@@ -267,9 +267,10 @@ def test_each_run_is_found_the_same_by_name_checkpoint_uuid_and_mlflow_run_id(mo
 
 
 def test_a_checkpoint_without_a_run_record_is_enough_to_rebuild_the_run(moved):
-    """As a cluster trial leaves it (the master keeps its state, the volume only the checkpoint):
-    a copy of orig's last checkpoint whose lineage names a Determined trial det_lab has no record
-    of. The config, seed and hyperparameters come from the checkpoint's metadata."""
+    """As a cluster trial leaves it (the master keeps its state, the volume only the checkpoint;
+    its context directory was no git work tree): a copy of orig's last checkpoint whose lineage
+    names a Determined trial det_lab has no record of, with no code lineage. The config, seed and
+    hyperparameters come from the checkpoint's metadata, the code from its code/ copy."""
     import uuid
 
     lab = moved
@@ -279,14 +280,17 @@ def test_a_checkpoint_without_a_run_record_is_enough_to_rebuild_the_run(moved):
     shutil.copytree(ckpts / st["latest_checkpoint"], ckpts / ref)
     meta = json.loads((ckpts / ref / "metadata.json").read_text())
     meta["det_lab"].update(run_key="det-c1-e7-t9", scheduler="determined")
+    del meta["det_lab"]["code"]
     (ckpts / ref / "metadata.json").write_text(json.dumps(meta))
     out, new = reproduce(lab, ref)
     assert "reproducing det-c1-e7-t9 (found by checkpoint)" in out
+    assert f"code: the copy in checkpoint {ref} (the run's code was not in git)" in out
     assert "the original's metrics are not on this volume (a cluster run)" in out
     assert losses(lab, new["name"]) == losses(lab, "orig")  # the same config, seed, code and data as orig
     diff = json.loads(ok(lab.cli("runs", "diff", ref, "orig", "--json")))
-    assert [(d["section"], d["field"], d["a"], d["b"]) for d in diff["differences"]] == \
-        [("scheduler", "scheduler", "determined", "local")]
+    assert sorted((d["section"], d["field"], d["a"], d["b"]) for d in diff["differences"]) == [
+        ("code", "commit", None, lab.first_commit), ("code", "dirty", None, False),
+        ("code", "repo", None, str(lab.repo)), ("scheduler", "scheduler", "determined", "local")]
     assert diff["ids"]["a"]["run_key"] == "det-c1-e7-t9"
 
 

@@ -49,13 +49,11 @@ def reproduce(
     except (ReproduceError, ValueError) as exc:
         fail(str(exc))
     _environment(rows, note)
-    code = origin.lineage["code"]
     ds = origin.lineage.get("dataset") or {}
     latest = plan.record.state()["latest_checkpoint"]
     start = f" from checkpoint {latest} (step {plan.from_step})" if plan.from_step else ""
     console.print(f"reproducing {origin.name} (found by {origin.found_by}) as run {plan.record.dir.name}{start}\n"
-                  f"  code: {code.get('repo')} at {code['commit']}"
-                  f"{' + its saved local changes' if code.get('dirty') else ''}\n"
+                  f"  code: {plan.code_source}\n"
                   f"  dataset: {ds.get('path', '-')} at {str(ds.get('commit', '-'))[:12]} (md5 {ds.get('md5', '-')})\n"
                   f"  seed: {origin.seed}  hyperparameters: {json.dumps(origin.hparams)}\n"
                   f"  log: {plan.record.log_file}", highlight=False, soft_wrap=True)

@@ -1,6 +1,7 @@
 """Re-running a recorded run: the same code (a scratch worktree at its commit, its saved patch
-applied), the same dataset revision (pinned to its commit and checked by content hash), the same
-config, hyperparameters and seed; from the start, or from one of its checkpoints.
+applied; for code that was not in git, the copy in its checkpoint), the same dataset revision
+(pinned to its commit and checked by content hash), the same config, hyperparameters and seed;
+from the start, or from one of its checkpoints.
 
 The scratch tree and the config as re-run live in ``<data root>/outputs/<project>/reproduce/<new
 run>/`` (``code/``, ``config.yaml``); the new run is an ordinary run of the record layer, whose
@@ -39,6 +40,7 @@ class Plan:
     cwd: Path
     command: list[str]
     scratch: Path
+    code_source: str  # where the code came from, in words
     from_step: int = 0
 
 
@@ -85,10 +87,8 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
     from det_lab.trials import local
     from det_lab.trials.expconf import lab_section
 
-    code = origin.lineage.get("code")
-    if not code or not code.get("commit"):
-        raise ReproduceError(f"run {origin.name} recorded no code repository and commit (its code was not in git): "
-                             "it cannot be rebuilt")
+    code = origin.lineage.get("code") or {}
+    copied = None if code.get("commit") else _checkpoint_code(settings, origin)
     conf = pinned_config(origin)
     project = lab_section(conf).project
     start = _start_checkpoint(settings, origin) if continue_ else None
@@ -100,13 +100,19 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
         raise ReproduceError(f"{scratch} exists: choose another --run name")
     scratch.mkdir(parents=True)
     try:  # a refusal leaves nothing behind: no scratch tree, no worktree registered
-        template = checkout(code, scratch / "code", origin.patch_file)
+        if copied is None:
+            template = checkout(code, scratch / "code", origin.patch_file)
+            source = f"{code.get('repo')} at {code['commit']}"
+            source += " + its saved local changes" if code.get("dirty") else ""
+        else:  # not in git (a cluster trial's context, an installed template): the checkpoint's copy
+            template = Path(shutil.copytree(copied, scratch / "code"))
+            source = f"the copy in checkpoint {copied.parent.name} (the run's code was not in git)"
         config = scratch / "config.yaml"
         config.write_text(yaml.safe_dump(conf, sort_keys=False))
         record, cwd, command = local.prepare(settings, str(template), config, False, origin.seed,
                                              record_cls=record_cls, name=name)
     except (ReproduceError, local.RunError, OSError) as exc:
-        if (scratch / "code").exists():
+        if (scratch / "code").exists() and copied is None:
             remove(code, scratch / "code")
         shutil.rmtree(scratch, ignore_errors=True)
         raise ReproduceError(str(exc)) from None
@@ -120,7 +126,20 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
         changes.update(latest_checkpoint=start["uuid"], latest_checkpoint_step=start["step"],
                        checkpoints=[{"uuid": start["uuid"], "step": start["step"]}])
     record.update(**changes)
-    return Plan(origin, record, cwd, command, scratch, start["step"] if start else 0)
+    return Plan(origin, record, cwd, command, scratch, source, start["step"] if start else 0)
+
+
+def _checkpoint_code(settings: LabSettings, origin: Origin) -> Path:
+    """The ``code/`` copy Determined keeps in each checkpoint: the named one's, else the run's
+    latest; a one-line refusal when there is none."""
+    from det_lab.reproduce.find import find_checkpoint
+
+    uuid_ = (origin.checkpoint or {}).get("uuid") or origin.state.get("latest_checkpoint")
+    where = find_checkpoint(VolumeLayout.from_settings(settings), uuid_) if uuid_ else None
+    if where is None or not (where / "code").is_dir():
+        raise ReproduceError(f"run {origin.name} recorded no code repository and commit (its code was not in git) "
+                             "and has no checkpoint with a copy of its code: it cannot be rebuilt")
+    return where / "code"
 
 
 def _start_checkpoint(settings: LabSettings, origin: Origin) -> dict[str, Any]:
