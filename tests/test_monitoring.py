@@ -286,8 +286,10 @@ def prometheus(rendered, exporter, acct_exporter, tmp_path_factory):
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     try:
-        while not all(_has(url, e) for e in ("lab:user_gpus_allocated:sum", "det_lab_volume_project_bytes",
-                                             'det_lab_slurm_jobs{cluster="acct"}')):
+        # both exporters scraped and the recording rules evaluated over both
+        while not all(_has(url, e) for e in (f'lab:user_gpus_allocated:sum{{user="{ACCT_USER}"}}',
+                                             'lab:user_gpus_allocated:sum{user="nobody"}',
+                                             "lab:project_quota_used:ratio")):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"Prometheus had no data from the exporter:\n{(tmp / 'prometheus.log').read_text()[-3000:]}")
             time.sleep(1)
