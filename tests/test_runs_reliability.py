@@ -384,3 +384,19 @@ def test_vla_and_3dgs_runs_stopped_and_resumed_report_what_uninterrupted_runs_do
     for t, (_, _, _, train_keys, val_keys) in templates.items():
         _assert_same(dirs[t, "straight"], dirs[t, "stopped"], "training", train_keys)
         _assert_same(dirs[t, "straight"], dirs[t, "stopped"], "validation", val_keys)
+
+
+def test_runs_list_prints_every_run_of_the_module_in_aligned_columns(runs_lab):
+    """After the runs above: the table and --json list the same runs, oldest first, each row's
+    status and progress where the header puts them."""
+    rows = [json.loads(line) for line in runs_lab.cli("runs", "list", "--json", check=True).stdout.splitlines()]
+    assert len(rows) >= 3 and {"finished", "stopped"} & {r["status"] for r in rows}
+    lines = runs_lab.cli("runs", "list", check=True).stdout.splitlines()
+    header, body = lines[0], lines[1:]
+    assert header.split() == ["run", "kind", "status", "progress", "last", "validation", "where"]
+    assert [line.split()[0] for line in body] == [r["name"] for r in rows]
+    at = {col: header.index(col) for col in ("kind", "status", "progress")}
+    for line, r in zip(body, rows):
+        assert line[at["kind"]:].split()[0] == r["kind"]
+        assert line[at["status"]:].split()[0] == r["status"]
+        assert line[at["progress"]:].split()[0] == f"{r['step']}/{r['of']}"

@@ -48,22 +48,33 @@ def _where(run: LocalRunRecord, st: dict) -> str:
     return f"job {slurm.get('job_id', '-')} on {node}" + (f" ({len(attempts)} starts)" if len(attempts) > 1 else "")
 
 
-def live_status(run: LocalRunRecord) -> str:
-    """run.json's status, corrected by Slurm for a job that ended without the driver saying so."""
+def _slurm_job(run: LocalRunRecord, st: dict) -> dict[str, str] | None | bool:
+    """``scontrol show job`` of a Slurm run still going by run.json (None: Slurm forgot it);
+    False when there is nothing to ask (not a Slurm run, ended, no job, or Slurm not answering)."""
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
 
-    st = run.state()
+    if not isinstance(run, SlurmRunRecord) or (st.get("status") or "created") in ENDED or not run.job_id():
+        return False
+    try:
+        return submit.job_state(run.job_id())
+    except submit.SlurmError:
+        return False
+
+
+def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = False) -> str:
+    """run.json's status, corrected by Slurm for a job that ended without the driver saying so
+    (``st`` and ``job``: the run's state and :func:`_slurm_job`, when the caller has them)."""
+    from det_lab.slurm import submit
+
+    st = run.state() if st is None else st
     status = st.get("status") or "created"
-    if isinstance(run, SlurmRunRecord) and status not in ENDED and run.job_id():
-        try:
-            job = submit.job_state(run.job_id())
-        except submit.SlurmError:
-            return status
-        if job is None or job.get("JobState") in submit.FINAL_STATES:
-            return (job or {}).get("JobState", "gone").lower()
-        return job["JobState"].lower()
-    return status
+    job = _slurm_job(run, st) if job is False else job
+    if job is False:
+        return status
+    if job is None or job.get("JobState") in submit.FINAL_STATES:
+        return (job or {}).get("JobState", "gone").lower()
+    return job["JobState"].lower()
 
 
 def run_owner(run: LocalRunRecord, st: dict) -> str:
@@ -79,17 +90,9 @@ def run_owner(run: LocalRunRecord, st: dict) -> str:
         return str(uid)
 
 
-def waiting(run: LocalRunRecord) -> str | None:
+def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = False) -> str | None:
     """Why a Slurm run's pending job waits, in words (e.g. a per-user GPU limit); None when it does not wait."""
-    from det_lab.slurm import submit
-    from det_lab.slurm.record import SlurmRunRecord
-
-    if not isinstance(run, SlurmRunRecord) or not run.job_id() or run.state().get("status") in ENDED:
-        return None
-    try:
-        job = submit.job_state(run.job_id())
-    except submit.SlurmError:
-        return None
+    job = _slurm_job(run, run.state() if st is None else st) if job is False else job
     if not job or job.get("JobState") != "PENDING":
         return None
     from det_lab.accounting.limits import pending_words
@@ -105,8 +108,6 @@ def list_runs(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per run."),
 ) -> None:
     """Every run on the volume, oldest first: kind, status, progress, where it ran, who owns it."""
-    from rich.table import Table
-
     settings = state(ctx).settings
     if project:
         try:
@@ -117,24 +118,28 @@ def list_runs(
     rows = []
     for run in runs:
         st = run.state()
-        if user and run_owner(run, st) != user:
+        owner = run_owner(run, st)
+        if user and owner != user:
             continue
+        job = _slurm_job(run, st)  # asked once, for the status and the reason it waits
         step, val = run.progress()
         rows.append({"name": st["name"], "kind": run.kind, "template": st.get("template"),
-                     "status": live_status(run), "step": step, "of": st.get("max_length"),
+                     "status": live_status(run, st, job), "step": step, "of": st.get("max_length"),
                      "where": _where(run, st), "dir": str(run.dir),
-                     "metric": next(iter(val.items()), None), "user": run_owner(run, st),
-                     "waiting": waiting(run)})
+                     "metric": next(iter(val.items()), None), "user": owner,
+                     "waiting": waiting(run, st, job)})
     if as_json:
-        for row in rows:
-            typer.echo(json.dumps(row))
+        typer.echo("".join(json.dumps(row) + "\n" for row in rows), nl=False)
         return
-    table = Table("run", "kind", "status", "progress", "last validation", "where")
+    # plain columns: rich's Table measures every cell, seconds for thousands of runs
+    table = [("run", "kind", "status", "progress", "last validation", "where")]
     for r in rows:
         metric = f"{r['metric'][0]}={r['metric'][1]:.4g}" if r["metric"] else ""
         status = f"{r['status']}: {r['waiting']}" if r["waiting"] else r["status"]
-        table.add_row(r["name"], r["kind"], status, f"{r['step']}/{r['of']}", metric, r["where"])
-    console.print(table)
+        table.append((r["name"], r["kind"], status, f"{r['step']}/{r['of']}", metric, r["where"]))
+    widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
+    typer.echo("".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + "\n" for row in table),
+               nl=False)
 
 
 @app.command()
@@ -145,11 +150,14 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
     run = find_run(state(ctx).settings, name)
     st = run.state()
     step, val = run.progress()
-    table = Table(title=f"{st['name']} ({run.kind}): {live_status(run)}", show_header=False, title_justify="left")
+    job = _slurm_job(run, st)
+    table = Table(title=f"{st['name']} ({run.kind}): {live_status(run, st, job)}", show_header=False,
+                  title_justify="left")
     table.add_row("directory", str(run.dir))
     table.add_row("user", run_owner(run, st))
-    if waiting(run):
-        table.add_row("waiting", waiting(run).removeprefix("waiting: "))
+    why = waiting(run, st, job)
+    if why:
+        table.add_row("waiting", why.removeprefix("waiting: "))
     table.add_row("config", str(st.get("config")))
     table.add_row("hyperparameters", json.dumps(st.get("hparams")))
     table.add_row("progress", f"{step} of {st.get('max_length')} {st.get('max_length_unit', '')}")
