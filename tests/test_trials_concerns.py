@@ -298,3 +298,18 @@ def test_metrics_since_takes_whole_lines_and_resumes_where_it_stopped(tmp_path):
     second, end = run.metrics_since(offset)
     assert second == [{"group": "validation", "step": 40, "metrics": {"val_loss": 0.5}}]
     assert run.metrics_since(end) == ([], end) and len(run.metrics()) == 2
+
+
+def test_progress_reads_lines_as_written_and_any_other_json_the_same(tmp_path):
+    """progress() reads the step of det_lab's own training lines without parsing them; lines
+    written any other way (keys in another order, a torn last line) count the same as JSON says."""
+    run = record.LocalRunRecord(tmp_path)
+    run.append_metrics("training", 7, {"loss": 1.0, "step": 99})  # a metric called "step" is not the step
+    run.append_metrics("validation", 7, {"val_loss": 0.5})
+    with open(run.metrics_file, "a") as f:
+        f.write('{"step": 12, "group": "training", "metrics": {"loss": 0.1}}\n')
+        f.write('{"group": "validation", "step": 12, "metrics": {"val_loss": 0.25}}\n')
+        f.write('{"group": "training", "step": 40, "metr')  # being written
+    assert run.progress() == (12, {"val_loss": 0.25})
+    run.append_metrics("training", 9, {"loss": 0.2})  # after a resume from an earlier checkpoint
+    assert run.progress()[0] == 12

@@ -42,6 +42,10 @@ WORK_DIR = "work"
 REPRODUCES_KEY = "reproduces"
 
 
+#: how append_metrics starts a training line
+_TRAINING_PREFIX = b'{"group": "training", "step": '
+
+
 def read_run_file(path: Path) -> dict[str, Any]:
     """A run.json as a dict; a damaged one is a one-line ``ValueError`` naming it and the fix."""
     try:
@@ -138,13 +142,28 @@ class RunRecord:
 
     def progress(self) -> tuple[int, dict[str, float]]:
         """Latest training step reported, and the latest validation metrics."""
-        step, val = 0, {}
-        for m in self.metrics():
+        try:
+            data = self.metrics_file.read_bytes()
+        except FileNotFoundError:
+            return 0, {}
+        step, last_val = 0, None
+        for line in data[:data.rfind(b"\n") + 1].splitlines():
+            # most lines are training lines as append_metrics writes them: their step is read
+            # without parsing the line (runs list reads every run's metrics)
+            if line.startswith(_TRAINING_PREFIX) and line.count(b'{"group"') == 1 and line.endswith(b"}}"):
+                head = line[len(_TRAINING_PREFIX):line.find(b",", len(_TRAINING_PREFIX))]
+                if head.isdigit():
+                    step = max(step, int(head))
+                    continue
+            try:
+                m = json.loads(line)
+            except ValueError:
+                continue
             if m["group"] == "training":
                 step = max(step, m["step"])
             elif m["group"] == "validation":
-                val = m["metrics"]
-        return step, val
+                last_val = m
+        return step, (last_val["metrics"] if last_val else {})
 
     def tracking_summary(self) -> dict[str, Any] | None:
         try:
@@ -278,11 +297,12 @@ def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]
     """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
-    dirs = {p.parent for cls in set(_KINDS.values())
+    # each kind has a runs directory of its own: where a run is says its kind, without reading it
+    dirs = {p.parent: cls for cls in set(_KINDS.values())
             for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
             if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
     for d in sorted(dirs, key=lambda p: p.stat().st_mtime):
-        yield open_record(d)
+        yield dirs[d](d)
 
 
 def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
