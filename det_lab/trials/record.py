@@ -309,7 +309,12 @@ def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
     """Every tracking journal on the volume: cluster trials' and local-style runs'."""
     for project in sorted(projects):
         yield from ClusterRunRecord.journals(layout, project)
-        yield from sorted(r.journal_dir for r in iter_records(layout, project) if (r.journal_dir / RUN_FILE).is_file())
+        for kind in SHIPPED_KINDS:
+            _load_kind(kind)
+        # one directory walk, not a record (and a stat or two) per run
+        yield from sorted({p.parent for cls in set(_KINDS.values())
+                           for p in cls.runs_root(layout, project).glob(f"*/{JOURNAL_DIR}/{RUN_FILE}")
+                           if not p.parents[1].name.startswith(".")})
 
 
 def record_for(layout: VolumeLayout, project: str, run_key: str, record_dir: Path | None) -> RunRecord:
