@@ -230,12 +230,13 @@ def atomic_write_text(path: Path, text: str, mode: int = 0o664) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def disk_usage(*paths: Path) -> int:
+def disk_usage(*paths: Path, seen: set[tuple[int, int]] | None = None) -> int:
     """Bytes allocated under ``paths`` (like ``du -sc``), counting hard-linked files once.
 
-    Symlinks are not followed, and a snapshot hard-linked into the cache counts once.
+    Symlinks are not followed, and a snapshot hard-linked into the cache counts once. ``seen``
+    (inodes already counted, extended here) lets several calls count a file once between them.
     """
-    seen: set[tuple[int, int]] = set()
+    seen = set() if seen is None else seen
     total = 0
     stack = list(paths)
     while stack:

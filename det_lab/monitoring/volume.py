@@ -21,7 +21,7 @@ from prometheus_client.core import Metric
 from det_lab.data.integrity import SNAPSHOT_MARKER
 from det_lab.monitoring.collector import Families
 from det_lab.settings import LabSettings
-from det_lab.volume import VolumeLayout
+from det_lab.volume import VolumeLayout, disk_usage
 
 #: the areas of a project, in the order a hard-linked file is attributed (cache before snapshots)
 AREAS = ("dvc-cache", "snapshots", "datasets", "checkpoints", "outputs")
@@ -30,32 +30,6 @@ AREAS = ("dvc-cache", "snapshots", "datasets", "checkpoints", "outputs")
 def area_dir(layout: VolumeLayout, project: str, area: str) -> Path:
     return {"dvc-cache": layout.dvc_cache, "snapshots": layout.snapshots, "datasets": layout.datasets,
             "checkpoints": layout.project_checkpoints, "outputs": layout.outputs}[area](project)
-
-
-def walk_bytes(root: Path, seen: set[tuple[int, int]]) -> int:
-    """Bytes allocated under ``root``, skipping inodes already in ``seen`` (which it extends)."""
-    total = 0
-    stack = [str(root)]
-    while stack:
-        try:
-            entries = os.scandir(stack.pop())
-        except (FileNotFoundError, NotADirectoryError, PermissionError):
-            continue
-        with entries:
-            for entry in entries:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append(entry.path)
-                if st.st_nlink > 1:
-                    key = (st.st_dev, st.st_ino)
-                    if key in seen:
-                        continue
-                    seen.add(key)
-                total += st.st_blocks * 512
-    return total
 
 
 class VolumeSource:
@@ -80,7 +54,7 @@ class VolumeSource:
             seen: set[tuple[int, int]] = set()
             total = 0
             for area in AREAS:
-                used = walk_bytes(area_dir(self.layout, project, area), seen)
+                used = disk_usage(area_dir(self.layout, project, area), seen=seen)
                 total += used
                 out.add("volume_area_bytes", "bytes of each project's area (dvc-cache is the shared cache; "
                         "checkpoints its checkpoints)", {"project": project, "area": area}, used)
