@@ -11,8 +11,10 @@ the median of --runs:
 - one exporter scrape: cold (the exporter's first: the volume, runs and trackers sources read in
   the scrape), within the sources' ttl, and after it (the scrape answers with the last figures and
   the sources refresh in the background); and the time of each source's own refresh;
-- ``det-lab runs list``, ``det-lab data list`` and ``det-lab tracking status``, each the installed
-  console script as a user runs it (its interpreter start included).
+- ``det-lab runs list`` (the first listing, and one after a listing with nothing changed: it keeps
+  what it read per user and re-reads only runs whose files changed), ``det-lab data list`` and
+  ``det-lab tracking status``, each the installed console script as a user runs it (its
+  interpreter start included).
 
 It prints one table row per size and command, and the growth from the smallest to the largest.
 No Slurm cluster: the generated Slurm runs are ended, so ``runs list`` asks Slurm nothing, and
@@ -129,9 +131,16 @@ def time_source(config: Path, name: str) -> float:
     return time.perf_counter() - start
 
 
-def time_cli(config: Path, *args: str) -> float:
+def time_cli(config: Path, *args: str, listed_before: bool | None = None) -> float:
+    """Seconds of one ``det-lab *args``. ``listed_before``: with ``runs list``'s cache of the
+    previous listing (nothing changed since) or without one (the first listing, every file read)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "SLURM_"))}
-    env.update(DET_LAB_CONFIG=str(config), COLUMNS="200")
+    cache = config.parent / "user-cache"
+    env.update(DET_LAB_CONFIG=str(config), COLUMNS="200", XDG_CACHE_HOME=str(cache))
+    if listed_before is not None:
+        shutil.rmtree(cache, ignore_errors=True)
+        if listed_before:
+            subprocess.run([str(DET_LAB), *args], env=env, capture_output=True, cwd=config.parent, check=True)
     start = time.perf_counter()
     proc = subprocess.run([str(DET_LAB), *args], env=env, capture_output=True, text=True, cwd=config.parent)
     seconds = time.perf_counter() - start
@@ -148,7 +157,8 @@ MEASURES = {
     "volume source refresh": lambda c: time_source(c, "volume"),
     "runs source refresh": lambda c: time_source(c, "runs"),
     "trackers source refresh": lambda c: time_source(c, "trackers"),
-    "det-lab runs list": lambda c: time_cli(c, "runs", "list"),
+    "det-lab runs list, first listing (every run read)": lambda c: time_cli(c, "runs", "list", listed_before=False),
+    "det-lab runs list, listed before (nothing changed)": lambda c: time_cli(c, "runs", "list", listed_before=True),
     "det-lab data list": lambda c: time_cli(c, "data", "list"),
     "det-lab tracking status": lambda c: time_cli(c, "tracking", "status"),
 }

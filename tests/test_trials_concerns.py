@@ -313,3 +313,34 @@ def test_progress_reads_lines_as_written_and_any_other_json_the_same(tmp_path):
     assert run.progress() == (12, {"val_loss": 0.25})
     run.append_metrics("training", 9, {"loss": 0.2})  # after a resume from an earlier checkpoint
     assert run.progress()[0] == 12
+
+
+def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkeypatch):
+    from det_lab.trials.listing import ListingCache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runs = []
+    for i in range(3):
+        run = record.LocalRunRecord(tmp_path / "runs" / f"r{i}")
+        run.dir.mkdir(parents=True)
+        run.save({"name": f"r{i}", "status": "running", "max_length": 10, "lineage": {"big": "x" * 1000}})
+        run.append_metrics("training", i + 1, {"loss": 1.0})
+        runs.append(run)
+    first = ListingCache(tmp_path)
+    assert [first.read(r).step for r in runs] == [1, 2, 3]
+    first.save(complete=True)
+    assert "lineage" not in first.path.read_text()  # only what a listing shows is kept
+
+    runs[0].update(status="finished")  # run.json replaced
+    runs[1].append_metrics("validation", 2, {"val_loss": 0.5})  # metrics grown
+    reads = []
+    for run in runs:  # count who reads its run.json
+        monkeypatch.setattr(run, "state", lambda run=run, read=run.state: reads.append(run.dir.name) or read())
+    second = ListingCache(tmp_path)
+    listed = [second.read(r) for r in runs]
+    assert reads == ["r0", "r1"]  # r2 came from the cache
+    assert [x.state["status"] for x in listed] == ["finished", "running", "running"]
+    assert listed[1].validation == {"val_loss": 0.5} and [x.step for x in listed] == [1, 2, 3]
+
+    second.path.write_text("{not json")  # a damaged cache is read around
+    assert ListingCache(tmp_path).read(runs[2]).step == 3

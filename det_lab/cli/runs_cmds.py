@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -62,14 +62,18 @@ def _slurm_job(run: LocalRunRecord, st: dict) -> dict[str, str] | None | bool:
         return False
 
 
-def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = False) -> str:
+#: "not asked yet": live_status and waiting ask Slurm themselves
+_ASK: Any = object()
+
+
+def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str:
     """run.json's status, corrected by Slurm for a job that ended without the driver saying so
     (``st`` and ``job``: the run's state and :func:`_slurm_job`, when the caller has them)."""
     from det_lab.slurm import submit
 
     st = run.state() if st is None else st
     status = st.get("status") or "created"
-    job = _slurm_job(run, st) if job is False else job
+    job = _slurm_job(run, st) if job is _ASK else job
     if job is False:
         return status
     if job is None or job.get("JobState") in submit.FINAL_STATES:
@@ -79,20 +83,23 @@ def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | 
 
 def run_owner(run: LocalRunRecord, st: dict) -> str:
     """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
+    return st.get("user") or _user_name(run.run_file.stat().st_uid, {})
+
+
+def _user_name(uid: int, known: dict[int, str]) -> str:
     import pwd
 
-    if st.get("user"):
-        return st["user"]
-    uid = run.run_file.stat().st_uid
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except KeyError:
-        return str(uid)
+    if uid not in known:
+        try:
+            known[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            known[uid] = str(uid)
+    return known[uid]
 
 
-def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = False) -> str | None:
+def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str | None:
     """Why a Slurm run's pending job waits, in words (e.g. a per-user GPU limit); None when it does not wait."""
-    job = _slurm_job(run, run.state() if st is None else st) if job is False else job
+    job = _slurm_job(run, run.state() if st is None else st) if job is _ASK else job
     if not job or job.get("JobState") != "PENDING":
         return None
     from det_lab.accounting.limits import pending_words
@@ -114,20 +121,24 @@ def list_runs(
             settings.project(project)
         except ValueError as exc:
             fail(str(exc))
-    runs = all_runs(settings, project)
+    from det_lab.trials.listing import ListingCache
+
+    cache = ListingCache(settings.data_root)
+    owners: dict[int, str] = {}
     rows = []
-    for run in runs:
-        st = run.state()
-        owner = run_owner(run, st)
+    for run in all_runs(settings, project):
+        listed = cache.read(run)  # run.json and progress, re-read only when the files changed
+        st = listed.state
+        owner = st.get("user") or _user_name(listed.uid, owners)
         if user and owner != user:
             continue
         job = _slurm_job(run, st)  # asked once, for the status and the reason it waits
-        step, val = run.progress()
         rows.append({"name": st["name"], "kind": run.kind, "template": st.get("template"),
-                     "status": live_status(run, st, job), "step": step, "of": st.get("max_length"),
+                     "status": live_status(run, st, job), "step": listed.step, "of": st.get("max_length"),
                      "where": _where(run, st), "dir": str(run.dir),
-                     "metric": next(iter(val.items()), None), "user": owner,
+                     "metric": next(iter(listed.validation.items()), None), "user": owner,
                      "waiting": waiting(run, st, job)})
+    cache.save(complete=project is None)
     if as_json:
         typer.echo("".join(json.dumps(row) + "\n" for row in rows), nl=False)
         return
