@@ -21,14 +21,15 @@ app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slu
 ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
 
 
-def all_runs(settings: LabSettings, project: str | None = None) -> list[LocalRunRecord]:
+def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True) -> list[LocalRunRecord]:
+    """Every run of ``project`` (default: all projects), by the time of its run.json unless not ``ordered``."""
     from det_lab.trials.record import iter_records
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
     runs = [r for p in projects for r in iter_records(layout, p)]
-    return sorted(runs, key=lambda r: r.run_file.stat().st_mtime)
+    return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
 
 
 def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
@@ -125,20 +126,21 @@ def list_runs(
 
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
-    rows = []
-    for run in all_runs(settings, project):
+    rows: list = []
+    for run in all_runs(settings, project, ordered=False):  # ordered below, by what the cache stat'ed
         listed = cache.read(run)  # run.json and progress, re-read only when the files changed
         st = listed.state
         owner = st.get("user") or _user_name(listed.uid, owners)
         if user and owner != user:
             continue
         job = _slurm_job(run, st)  # asked once, for the status and the reason it waits
-        rows.append({"name": st["name"], "kind": run.kind, "template": st.get("template"),
+        rows.append((listed.changed, {"name": st["name"], "kind": run.kind, "template": st.get("template"),
                      "status": live_status(run, st, job), "step": listed.step, "of": st.get("max_length"),
                      "where": _where(run, st), "dir": str(run.dir),
                      "metric": next(iter(listed.validation.items()), None), "user": owner,
-                     "waiting": waiting(run, st, job)})
+                     "waiting": waiting(run, st, job)}))
     cache.save(complete=project is None)
+    rows = [row for _, row in sorted(rows, key=lambda pair: pair[0])]  # oldest run.json first
     if as_json:
         typer.echo("".join(json.dumps(row) + "\n" for row in rows), nl=False)
         return

@@ -34,6 +34,8 @@ class Listed:
     step: int
     validation: dict[str, float]
     uid: int
+    #: when run.json was last written (ns)
+    changed: int
 
 
 def _signature(path: str) -> list[int] | None:
@@ -78,7 +80,8 @@ class ListingCache:
             step, validation = run.progress()
             entry = {"key": key, "state": _shown(run.state()), "step": step, "validation": validation}
         self.seen[directory] = entry
-        return Listed(entry["state"], entry["step"], entry["validation"], key[0][3] if key[0] else -1)
+        uid, changed = (key[0][3], key[0][2]) if key[0] else (-1, 0)
+        return Listed(entry["state"], entry["step"], entry["validation"], uid, changed)
 
     def save(self, complete: bool) -> None:
         """Keep what this listing read (``complete``: it listed every run, so drop the others)."""
