@@ -274,6 +274,32 @@ def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, 
                 os.kill(int(pid), signal.SIGKILL)
 
 
+def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
+    """Ctrl-C before MLflow answers is a stop (exit 0, nothing left running), not a failed start
+    (click's Exit is a RuntimeError, which the start-up error handler used to catch)."""
+    from det_lab.tracking.mlflow_server import free_port
+
+    port = free_port()
+    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).stdout.split()[1:]:
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        serve.send_signal(signal.SIGINT)  # the server process exists; it answers seconds later
+        out, err = serve.communicate(timeout=30)
+        assert serve.returncode == 0 and err == "", out + err
+        assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+
+
 def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
     # Aim closes its storage in an exit handler that waits without a bound for a cleanup thread;
     # a sender stuck there would hold its journal's lock for ever (seen with a vanished repo)

@@ -100,6 +100,8 @@ def serve(
     try:
         try:
             server.start()
+        except typer.Exit:  # Ctrl-C while it starts (click's Exit is a RuntimeError too)
+            raise
         except RuntimeError as exc:
             fail(f"mlflow server did not start: {str(exc).splitlines()[0]} (log: {root / 'server.log'})")
         server.proc.wait()
