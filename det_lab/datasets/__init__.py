@@ -6,12 +6,7 @@
     train, val = ds.select(train_eps), ds.select(val_eps)
 """
 
-from det_lab.datasets.lerobot import (
-    Episode,
-    LeRobotDataset,
-    LeRobotDatasetError,
-    VideoDecoderMissing,
-    split_episodes,
-)
+from det_lab.datasets.errors import LeRobotDatasetError, VideoDecoderMissing
+from det_lab.datasets.lerobot import Episode, LeRobotDataset, split_episodes
 
 __all__ = ["Episode", "LeRobotDataset", "LeRobotDatasetError", "VideoDecoderMissing", "split_episodes"]

@@ -50,7 +50,6 @@ from det_lab.datasets.lerobot_tables import ACTION, STATE
 __all__ = ["Episode", "LeRobotDataset", "LeRobotDatasetError", "VideoDecoderMissing", "split_episodes"]
 
 _CAMERA_DTYPES = ("image", "video")
-_error = dataset_error
 
 
 @dataclass(frozen=True)
@@ -118,12 +117,12 @@ class LeRobotDataset(torch.utils.data.Dataset):
         self.features: dict[str, dict[str, Any]] = self.info["features"]
         for key in (STATE, ACTION):
             if key not in self.features:
-                raise _error(self.root / "meta/info.json", f"features has no {key!r}")
+                raise dataset_error(self.root / "meta/info.json", f"features has no {key!r}")
         all_cameras = [k for k, f in self.features.items() if f.get("dtype") in _CAMERA_DTYPES]
         self.cameras: list[str] = list(all_cameras if cameras is None else cameras)
         for key in self.cameras:
             if key not in all_cameras:
-                raise _error(self.root / "meta/info.json", f"no image or video feature {key!r} (has {all_cameras})")
+                raise dataset_error(self.root / "meta/info.json", f"no image or video feature {key!r} (has {all_cameras})")
         v3 = self.version == "v3.0"
         self.tasks: dict[int, str] = tables.read_tasks_v3(self.root) if v3 else tables.read_tasks_v2(self.root)
         meta = tables.read_episodes_v3(self.root) if v3 else tables.read_episodes_v2(self.root)
@@ -182,7 +181,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if key not in self.stats:
             source = "meta/stats.json" if (self.root / "meta/stats.json").is_file() else \
                 ("meta/episodes" if self.version == "v3.0" else "meta/episodes_stats.jsonl")
-            raise _error(self.root / source, f"no statistics for {key!r}")
+            raise dataset_error(self.root / source, f"no statistics for {key!r}")
         return {k: np.asarray(v, dtype=np.float32) for k, v in self.stats[key].items()
                 if k in ("mean", "std", "min", "max")}
 
@@ -228,9 +227,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
             stop = int(np.searchsorted(self.episode_index, idx, side="right"))
             where = ep["_data"]
             if stop - start != int(ep["length"]):
-                raise _error(where, f"episode {idx} has {stop - start} frames, its metadata says {ep['length']}")
+                raise dataset_error(where, f"episode {idx} has {stop - start} frames, its metadata says {ep['length']}")
             if not np.array_equal(self.frame_index[start:stop], np.arange(stop - start)):
-                raise _error(where, f"episode {idx}: frame_index is not 0..{stop - start - 1}")
+                raise dataset_error(where, f"episode {idx}: frame_index is not 0..{stop - start - 1}")
             self.episodes[idx] = Episode(idx, stop - start, tuple(ep.get("tasks") or ()), start,
                                          self._video_files(ep))
             self._data_files[idx] = where
@@ -238,16 +237,16 @@ class LeRobotDataset(torch.utils.data.Dataset):
         listed = set(self.episodes)
         extra = sorted(set(np.unique(self.episode_index).tolist()) - listed)
         if extra:
-            raise _error(self.root / "data", f"frames of episodes {extra[:5]} are not in the episode metadata")
+            raise dataset_error(self.root / "data", f"frames of episodes {extra[:5]} are not in the episode metadata")
         total = self.info.get("total_frames")
         if total is not None and int(total) != len(self.state):
-            raise _error(self.root / "meta/info.json",
+            raise dataset_error(self.root / "meta/info.json",
                          f"total_frames is {total} but the data files hold {len(self.state)} frames")
 
     def _camera_source(self, key: str) -> str:
         if self.features[key].get("dtype") == "video":
             if not self.info.get("video_path"):
-                raise _error(self.root / "meta/info.json", f"{key!r} is a video feature but video_path is null")
+                raise dataset_error(self.root / "meta/info.json", f"{key!r} is a video feature but video_path is null")
             return "video"
         return "file" if self.info.get("image_path") else "embedded"
 
@@ -268,7 +267,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 offset = 0.0
             path = self.root / rel
             if not path.is_file():
-                raise _error(path, f"missing video of {key!r} (episode {idx})")
+                raise dataset_error(path, f"missing video of {key!r} (episode {idx})")
             out[key] = (path, offset)
         return out
 
@@ -285,7 +284,7 @@ class LeRobotDataset(torch.utils.data.Dataset):
                 for row in (ep.start, ep.start + ep.length - 1):
                     path = self._image_file(key, row)
                     if not path.is_file():
-                        raise _error(path, f"missing image of {key!r} (episode {ep.index}, frame {self.frame_index[row]})")
+                        raise dataset_error(path, f"missing image of {key!r} (episode {ep.index}, frame {self.frame_index[row]})")
 
     def _image(self, key: str, row: int) -> np.ndarray:
         source = self._camera_source(key)
@@ -294,14 +293,14 @@ class LeRobotDataset(torch.utils.data.Dataset):
         if source == "file":
             path = self._image_file(key, row)
             if not path.is_file():
-                raise _error(path, f"missing image of {where}")
+                raise dataset_error(path, f"missing image of {where}")
             pixels = _decode_image(path, path, where)
         elif source == "embedded":
             cell = self._embedded[key][row]
             blob = cell.get("bytes") if isinstance(cell, dict) else cell
             data_file = self._data_files[episode]
             if not blob:
-                raise _error(data_file, f"{where} has no image bytes")
+                raise dataset_error(data_file, f"{where} has no image bytes")
             pixels = _decode_image(io.BytesIO(blob), data_file, where)
         else:
             path, offset = self.episodes[episode].video[key]
@@ -309,9 +308,9 @@ class LeRobotDataset(torch.utils.data.Dataset):
             try:
                 pixels = video.reader(self.video_decoder).frame(path, ts, self.tolerance_s)
             except LeRobotDatasetError as exc:
-                raise _error(path, f"{where}: {str(exc).removeprefix(f'{path}: ')}") from None
+                raise dataset_error(path, f"{where}: {str(exc).removeprefix(f'{path}: ')}") from None
             except Exception as exc:  # noqa: BLE001 (decoders raise anything for a broken file)
-                raise _error(path, f"cannot decode {where} at {ts:.3f} s (truncated or not a video?): "
+                raise dataset_error(path, f"cannot decode {where} at {ts:.3f} s (truncated or not a video?): "
                                    f"{first_line(exc)}") from None
         return np.ascontiguousarray(pixels.transpose(2, 0, 1), dtype=np.float32) / 255.0
 
@@ -322,4 +321,4 @@ def _decode_image(source: Path | io.BytesIO, where_file: Path, what: str) -> np.
         with Image.open(source) as im:
             return np.asarray(im.convert("RGB"))
     except (OSError, SyntaxError, ValueError) as exc:  # PIL raises SyntaxError for some broken PNGs
-        raise _error(where_file, f"corrupt image for {what}: {first_line(exc)}") from None
+        raise dataset_error(where_file, f"corrupt image for {what}: {first_line(exc)}") from None

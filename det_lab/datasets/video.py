@@ -106,7 +106,8 @@ def _readers() -> dict[str, FrameReader]:
 
 
 def _forget_open_files() -> None:
-    # a forked DataLoader worker must not share its parent's open decoders
+    # a forked DataLoader worker must not share its parent's open decoders: forget them (clear,
+    # not close: closing would act on the parent's handles)
     if _readers.cache_info().currsize:
         for r in _readers().values():
             r.open.clear()
@@ -124,11 +125,13 @@ def nearest(ts: float, times: Sequence[float]) -> int:
 
 
 def _checked(path: Path, ts: float, found: float | None, end: float | None, tolerance_s: float) -> None:
+    """Refuse ``ts`` unless the frame ``found`` (its time; None: no frame) is within tolerance;
+    ``end``: where the video ends, when known."""
     if found is not None and abs(found - ts) < tolerance_s:
         return
-    if end is None:
+    if found is None:
         raise dataset_error(path, f"no frame at {ts:.3f} s: the video has no frames")
-    if ts >= end - tolerance_s:
+    if end is not None and ts >= end - tolerance_s:
         raise dataset_error(path, f"no frame at {ts:.3f} s: the video ends at {end:.3f} s, "
                                   "shorter than the dataset's metadata says")
     raise dataset_error(path, f"no frame within {tolerance_s:g} s of {ts:.6f} s (nearest at {found:.6f} s): "
@@ -152,9 +155,6 @@ class _Open(OrderedDict):
         handle = self.pop(path, None)
         if handle is not None:
             handle.close()
-
-    def clear(self) -> None:  # after a fork: forget, do not close the parent's handles
-        super().clear()
 
 
 # --- torchcodec -----------------------------------------------------------------------------------
@@ -183,7 +183,7 @@ class _TorchcodecReader:
     def frame(self, path: Path, ts: float, tolerance_s: float) -> np.ndarray:
         f = self.open.get_or_open(path, _TorchcodecFile)
         if not f.count or not f.fps:
-            _checked(path, ts, None, None, tolerance_s)
+            _checked(path, ts, None, None, tolerance_s)  # raises: no frames
         end = float(f.end) if f.end is not None else None
         i = min(max(round(ts * f.fps), 0), f.count - 1)
         frames = {i: f.decoder.get_frame_at(i)}
@@ -259,5 +259,5 @@ class _PyAVReader:
         best = frames[nearest(ts, [fr.time for fr in frames])]
         rate = float(f.stream.average_rate or f.stream.guessed_rate or 0) or None
         end = frames[-1].time + (1.0 / rate if rate else 0.0) if f.done else None
-        _checked(path, ts, best.time, end if end is not None else float("inf"), tolerance_s)
+        _checked(path, ts, best.time, end, tolerance_s)
         return best.to_ndarray(format="rgb24")
