@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import getpass
 from pathlib import Path
 
 import typer
@@ -64,13 +63,16 @@ def restore(
 def backup_timer(
     ctx: typer.Context,
     out: Path | None = typer.Option(None, "--out", help="Write det-lab-backup.service/.timer here (e.g. /etc/systemd/system)."),
-    user: str = typer.Option(getpass.getuser(), "--user", help="Unix user the backup runs as (owns the DB password file)."),
+    user: str | None = typer.Option(None, "--user", help="Unix user the backup runs as (owns the DB password "
+                                    "file; default: you)."),
 ) -> None:
     """Render a systemd service and timer that run 'det-lab cluster backup' nightly."""
+    import getpass
+
     from det_lab.cluster.backup import UNIT_NAME, render_units
 
     _lab, cluster = _load(ctx)
-    units = render_units(cluster, user=user)
+    units = render_units(cluster, user=user or getpass.getuser())
     files = {f"{UNIT_NAME}.service": units.service, f"{UNIT_NAME}.timer": units.timer}
     if out is None:
         for name, text in files.items():
