@@ -16,10 +16,16 @@ import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from det_lab.volume import VolumeLayout
+
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
 
 PREFIX = "det_lab_"
 
@@ -32,6 +38,24 @@ class Source(Protocol):
 
     def collect(self) -> Iterable[Metric]:
         """Every metric family of this source, now; raises when the source cannot be read."""
+
+
+class VolumeReader:
+    """Base of the sources that read the lab's shared volume (its runs, journals, bytes)."""
+
+    name: str
+
+    def __init__(self, settings: LabSettings, ttl: float = 15.0) -> None:
+        self.settings = settings
+        self.ttl = ttl
+        self.layout = VolumeLayout.from_settings(settings)
+
+    def mounted_root(self) -> Path:
+        """The data root; ``FileNotFoundError`` (this source's scrape error) when it is not mounted."""
+        root = self.settings.data_root
+        if not root.is_dir():
+            raise FileNotFoundError(f"data root {root} is not mounted")
+        return root
 
 
 class Families:

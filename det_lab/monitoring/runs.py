@@ -19,8 +19,7 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from det_lab.monitoring.collector import Families
-from det_lab.settings import LabSettings
+from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.trials import record as records
 from det_lab.trials.record import METRICS_FILE, RUN_FILE, read_run_file
 from det_lab.trials.run_guard import LOCK_NAME
@@ -63,19 +62,13 @@ def _owner(path: Path, cache: dict[int, str]) -> str:
     return cache[uid]
 
 
-class RunsSource:
+class RunsSource(VolumeReader):
     """Every run of every project of ``settings``."""
 
     name = "runs"
 
-    def __init__(self, settings: LabSettings, ttl: float = 15.0) -> None:
-        self.settings = settings
-        self.ttl = ttl
-        self.layout = VolumeLayout.from_settings(settings)
-
     def collect(self) -> Iterable[Metric]:
-        if not self.settings.data_root.is_dir():
-            raise FileNotFoundError(f"data root {self.settings.data_root} is not mounted")
+        self.mounted_root()
         out = Families()
         counts: Counter[tuple[str, str, str, str]] = Counter()
         owners: dict[int, str] = {}

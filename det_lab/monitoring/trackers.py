@@ -20,10 +20,9 @@ from urllib.parse import urlparse
 
 from prometheus_client.core import Metric
 
-from det_lab.monitoring.collector import Families
+from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.monitoring.runs import run_files
 from det_lab.net import http_answers
-from det_lab.settings import LabSettings
 from det_lab.tracking.journal import JournalReader
 from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, ClusterRunRecord
 from det_lab.volume import VolumeLayout
@@ -107,19 +106,13 @@ def answers(target: str, timeout: float = 2.0) -> bool | None:
     return None
 
 
-class TrackersSource:
+class TrackersSource(VolumeReader):
     """Backlogs of every journal of ``settings``'s volume, and its tracker servers."""
 
     name = "trackers"
 
-    def __init__(self, settings: LabSettings, ttl: float = 15.0) -> None:
-        self.settings = settings
-        self.ttl = ttl
-        self.layout = VolumeLayout.from_settings(settings)
-
     def collect(self) -> Iterable[Metric]:
-        if not self.settings.data_root.is_dir():
-            raise FileNotFoundError(f"data root {self.settings.data_root} is not mounted")
+        self.mounted_root()
         out = Families()
         now = time.time()
         totals: dict[str, int] = {}

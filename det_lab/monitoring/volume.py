@@ -19,7 +19,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from det_lab.data.integrity import SNAPSHOT_MARKER
-from det_lab.monitoring.collector import Families
+from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, disk_usage
 
@@ -32,20 +32,16 @@ def area_dir(layout: VolumeLayout, project: str, area: str) -> Path:
             "checkpoints": layout.project_checkpoints, "outputs": layout.outputs}[area](project)
 
 
-class VolumeSource:
+class VolumeSource(VolumeReader):
     """The shared volume of ``settings``."""
 
     name = "volume"
 
     def __init__(self, settings: LabSettings, ttl: float = 300.0) -> None:
-        self.settings = settings
-        self.ttl = ttl
-        self.layout = VolumeLayout.from_settings(settings)
+        super().__init__(settings, ttl)
 
     def collect(self) -> Iterable[Metric]:
-        root = self.settings.data_root
-        if not root.is_dir():
-            raise FileNotFoundError(f"data root {root} is not mounted")
+        root = self.mounted_root()
         out = Families()
         fs = os.statvfs(root)
         out.add("volume_size_bytes", "size of the file system holding the data root", {}, fs.f_blocks * fs.f_frsize)
