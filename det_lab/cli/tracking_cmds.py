@@ -15,19 +15,15 @@ app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals
 def status_(ctx: typer.Context) -> None:
     """List tracking journals on the volume that still hold undelivered events, and damaged ones
     (exit code 1 when there is one: its events cannot be delivered until it is repaired)."""
-    from det_lab.tracking.journal import Journal, JournalError
-    from det_lab.tracking.sync import find_journals, pending
+    from det_lab.tracking.sync import backlog, find_journals
 
     settings = state(ctx).settings
     waiting, damaged = [], []
     for j in find_journals(settings):
-        try:
-            Journal(j).run()
-        except JournalError as exc:
-            damaged.append((j, pending(j), str(exc)))
-            continue
-        n = pending(j)
-        if n:
+        n, problem = backlog(j)  # run.json read once: the count and whether it can be delivered
+        if problem:
+            damaged.append((j, n, problem))
+        elif n:
             waiting.append((j, n))
     for j, n in waiting:
         console.print(f"{n:>8} events waiting  {j}", highlight=False)

@@ -24,14 +24,20 @@ def find_journals(settings: LabSettings) -> Iterator[Path]:
     yield from record.find_journals(VolumeLayout.from_settings(settings), list(settings.projects))
 
 
-def pending(journal_dir: Path) -> int:
-    """Events of the journal some backend has not acknowledged (all of them if it names no target)."""
+def backlog(journal_dir: Path) -> tuple[int, str | None]:
+    """Events of the journal some backend has not acknowledged (all of them if it names no
+    target), and what is wrong with its ``run.json`` when it cannot be delivered (else None)."""
     journal = Journal(journal_dir)
     try:
         _, targets = journal.run()
-    except JournalError:
-        return journal.last_seq
-    return sum(journal.pending(b) for b in targets)
+    except JournalError as exc:
+        return journal.last_seq, str(exc)
+    return sum(journal.pending(b) for b in targets), None
+
+
+def pending(journal_dir: Path) -> int:
+    """Events of the journal some backend has not acknowledged (all of them if it names no target)."""
+    return backlog(journal_dir)[0]
 
 
 def sync(journal_dir: Path, timeout: float = 60.0) -> DeliverySummary:
