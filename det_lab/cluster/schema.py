@@ -243,13 +243,12 @@ def agent_errors(conf: dict[str, Any], master: dict[str, Any] | None = None) -> 
 NOTEBOOK_FIELDS = frozenset({"description", "bind_mounts", "environment", "resources", "entrypoint",
                              "tensorboard_args", "idle_timeout", "notebook_idle_type", "work_dir", "debug",
                              "pbs", "slurm"})
-NOTEBOOK_IDLE_TYPES = ("kernels_or_terminals", "kernel_connections", "activity")
 
 
 def notebook_template_errors(conf: dict[str, Any]) -> list[str]:
     """Problems of a notebook config template beyond what the expconf schema checks of its
     ``bind_mounts``/``environment``: unknown keys, an unparsable ``idle_timeout``, a bad idle type."""
-    from det_lab.cluster.settings import go_duration_seconds
+    from det_lab.cluster.settings import NOTEBOOK_IDLE_TYPES, go_duration_seconds
 
     errors = [f"{k}: not a field of a notebook's config" for k in conf if k not in NOTEBOOK_FIELDS]
     timeout = conf.get("idle_timeout")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import socket
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 
@@ -39,7 +39,8 @@ _REPO_PREFIX = re.compile(r"^[a-z0-9]+([._-][a-z0-9]+)*(:[0-9]+)?(/[a-z0-9]+([._
 #: a Go duration as Determined's model.Duration parses it ("2h", "90m", "1h30m")
 _GO_DURATION = re.compile(r"^(\d+(\.\d+)?(h|m|s|ms))+$")
 _DURATION_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
-NOTEBOOK_IDLE_TYPES = ("kernels_or_terminals", "kernel_connections", "activity")
+NotebookIdleType = Literal["kernels_or_terminals", "kernel_connections", "activity"]
+NOTEBOOK_IDLE_TYPES: tuple[str, ...] = get_args(NotebookIdleType)
 
 
 class ClusterConfigError(ValueError):
@@ -211,7 +212,7 @@ class NotebookSettings(StrictModel):
     """
 
     idle_timeout: str | None = "2h"
-    idle_type: Literal["kernels_or_terminals", "kernel_connections", "activity"] = "kernels_or_terminals"
+    idle_type: NotebookIdleType = "kernels_or_terminals"
 
     @field_validator("idle_timeout")
     @classmethod
