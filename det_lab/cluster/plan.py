@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from det_lab.cluster.config import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts
 from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
@@ -196,12 +196,12 @@ def agent_plan(cluster: ClusterSettings, private: Path, agent_id: str, pool: str
     return plan
 
 
-def unpinned_notes(cluster: ClusterSettings, roles: tuple[str, ...]) -> list[str]:
+def unpinned_notes(cluster: ClusterSettings, roles: tuple[Literal["master", "agent"], ...]) -> list[str]:
     """How to pin each image that is named by its tag alone (a tag can be moved; a digest cannot)."""
     notes = []
     for role in roles:
-        if getattr(cluster.images, f"{role}_digest") is None:
-            ref = cluster.images.reference(role)  # type: ignore[arg-type]
+        if cluster.images.digest(role) is None:
+            ref = cluster.images.reference(role)
             notes.append(f"{role} image {ref} is named by tag only; pin it: set images.{role}_digest to the "
                          f"sha256:... that 'docker buildx imagetools inspect {ref}' prints")
     return notes

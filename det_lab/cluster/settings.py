@@ -118,9 +118,13 @@ class ImageSettings(StrictModel):
         m = re.match(r"^(\d+)\.(\d+)", self.version)
         return bool(m) and (int(m.group(1)), int(m.group(2))) >= version
 
+    def digest(self, role: Literal["master", "agent"]) -> str | None:
+        """The digest ``role``'s image is pinned to, or None where it is named by tag only."""
+        return self.master_digest if role == "master" else self.agent_digest
+
     def reference_version(self, role: Literal["master", "agent"]) -> str:
         """What ``det deploy local`` puts after ``determined-<role>:``: the tag, and the digest if pinned."""
-        digest = self.master_digest if role == "master" else self.agent_digest
+        digest = self.digest(role)
         return f"{self.version}@{digest}" if digest else self.version
 
     def reference(self, role: Literal["master", "agent"]) -> str:
