@@ -21,24 +21,19 @@ from urllib.parse import urlparse
 from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
-from det_lab.monitoring.runs import run_files
 from det_lab.net import http_answers
 from det_lab.tracking.journal import JournalReader
-from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, ClusterRunRecord
+from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, find_journals
 from det_lab.volume import VolumeLayout
 
 TAIL_BYTES = 64 * 1024
 
 
 def journals(layout: VolumeLayout, projects: list[str]) -> Iterator[tuple[str, Path]]:
-    """``(project, journal dir)`` of every journal on the volume."""
+    """``(project, journal dir)`` of every journal on the volume (:func:`find_journals`'s, by project)."""
     for project in sorted(projects):
-        for d in ClusterRunRecord.journals(layout, project):
+        for d in find_journals(layout, [project]):
             yield project, d
-        for _kind, run_file in run_files(layout, project):
-            d = run_file.parent / JOURNAL_DIR
-            if (d / RUN_FILE).is_file():
-                yield project, d
 
 
 def _json(path: Path) -> object:
