@@ -419,3 +419,18 @@ def test_rendered_timer_runs_a_backup_and_doctor_watches_its_age(cl, pg, tmp_pat
     newest[0].dump.rename(old)
     check = doctor_backups()
     assert check["status"] == "warn" and "3.0 days old" in check["detail"] and "det-lab cluster backup" in check["fix"]
+
+
+def test_doctor_ages_the_master_databases_backups_only(tmp_path):
+    """A fresh backup of another database in the same directory does not hide a stale one of the master's."""
+    from det_lab.settings import LabSettings
+
+    lab = LabSettings(data_root=tmp_path)
+    (tmp_path / ".det-lab").mkdir()
+    (tmp_path / ".det-lab" / "cluster.yaml").write_text(yaml.safe_dump({"db": {"name": "determined"}}))
+    backups = tmp_path / ".det-lab" / "backups"
+    backups.mkdir()
+    (backups / "determined-20261115T031500Z.dump").write_bytes(b"PGDMP")
+    (backups / "mlflow-20261120T000000Z.dump").write_bytes(b"PGDMP")
+    status, detail, _fix = b.backup_check(lab, now=_at("2026-11-20 06:00"))
+    assert status == "warn" and "determined-20261115T031500Z.dump" in detail and "5.1 days old" in detail

@@ -305,9 +305,10 @@ def prune(directory: Path, db: str, keep_daily: int, keep_weekly: int) -> list[B
     return removed
 
 
-def newest_age(directory: Path, now: datetime | None = None) -> tuple[Backup, timedelta] | None:
-    """The newest backup in ``directory`` and its age, or None without any."""
-    backups = list_backups(directory)
+def newest_age(directory: Path, db: str | None = None,
+               now: datetime | None = None) -> tuple[Backup, timedelta] | None:
+    """The newest backup in ``directory`` (of ``db`` only, if given) and its age, or None without any."""
+    backups = list_backups(directory, db)
     if not backups:
         return None
     return backups[0], (now or datetime.now(timezone.utc)) - backups[0].taken
@@ -430,7 +431,7 @@ def backup_check(lab: LabSettings, now: datetime | None = None) -> tuple[str, st
     except ClusterConfigError as exc:
         return "warn", f"cannot tell where backups are: {exc}", "fix the cluster config"
     directory = default_backup_dir(lab, cluster)
-    newest = newest_age(directory, now)
+    newest = newest_age(directory, cluster.db.name, now)  # another database's backup there says nothing
     fix = f"run 'det-lab cluster backup' on the master machine; check its timer ({UNIT_NAME}.timer)"
     if newest is None:
         if cluster.source is None:  # no cluster.yaml on the volume: no cluster to back up
