@@ -55,10 +55,11 @@ def _slurm_job(run: LocalRunRecord, st: dict) -> dict[str, str] | None | bool:
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
 
-    if not isinstance(run, SlurmRunRecord) or (st.get("status") or "created") in ENDED or not run.job_id():
+    job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
+    if not isinstance(run, SlurmRunRecord) or (st.get("status") or "created") in ENDED or not job_id:
         return False
     try:
-        return submit.job_state(run.job_id())
+        return submit.job_state(job_id)
     except submit.SlurmError:
         return False
 
