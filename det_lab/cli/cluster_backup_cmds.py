@@ -55,7 +55,7 @@ def restore(
     except b.BackupError as exc:
         fail(str(exc))
     console.print(f"restored {file} into {conn.describe()}; roles are in "
-                  f"{file.name.removesuffix(b.DUMP_SUFFIX)}{b.GLOBALS_SUFFIX} (apply with psql if they were lost)",
+                  f"{b.globals_of(file).name} (apply with psql if they were lost)",
                   highlight=False, soft_wrap=True)
 
 

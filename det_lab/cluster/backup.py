@@ -179,12 +179,17 @@ class Backup:
 
     @property
     def globals_file(self) -> Path:
-        return self.dump.with_name(self.dump.name.removesuffix(DUMP_SUFFIX) + GLOBALS_SUFFIX)
+        return globals_of(self.dump)
 
     @property
     def db(self) -> str:
         m = _NAME.match(self.dump.name)
         return m.group("db") if m else ""
+
+
+def globals_of(dump: Path) -> Path:
+    """The ``.globals.sql`` file written beside ``dump``."""
+    return dump.with_name(dump.name.removesuffix(DUMP_SUFFIX) + GLOBALS_SUFFIX)
 
 
 def _stream_to(argv: list[str], conn: Connection, tmp: Path, magic: bytes | None) -> None:
