@@ -398,3 +398,23 @@ def test_an_idle_interactive_job_ends_at_the_lab_limit(acct):
                max(10, 120 - (time.monotonic() - acct["interactive_started"])), "the idle allocation to end")
     elapsed = int(sacct(cluster, job_id)[job_id]["elapsed"])
     assert 60 <= elapsed <= 100
+
+
+def test_usage_join_reads_lineage_only_for_jobs_in_the_period_and_survives_damaged_metadata(tmp_path):
+    """No cluster: join with records another run wrote, one of them with a damaged metadata.json."""
+    from det_lab.accounting.usage import JobRecord, join
+
+    def job(job_id: str) -> JobRecord:
+        return JobRecord(job_id, "j", "root", "vla", "normal", "gpu", "COMPLETED", 1, 60, "", "", "0:0")
+
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    (damaged / "metadata.json").write_text('{"det_lab": {"code_commit": "ab')  # cut off mid-write
+    conf = {"data": {"det_lab": {"project": "vla", "dataset": "tiny"}}}
+    runs = [({"name": "old", "template": "t", "exp_conf": conf, "latest_checkpoint": "missing",
+              "slurm": {"job_id": 7}}, tmp_path),  # its job is outside the period: not joined
+            ({"name": "now", "template": "t", "exp_conf": conf, "latest_checkpoint": "damaged",
+              "slurm": {"job_id": 8, "attempts": [{"job_id": 8}, {"job_id": 9}]}}, tmp_path)]
+    jobs = join([job("8"), job("9"), job("10")], runs)
+    assert [(j.run, j.dataset, j.code_commit) for j in jobs] == [
+        ("now", "tiny", None), ("now", "tiny", None), (None, None, None)]

@@ -96,10 +96,9 @@ def sacct_jobs(since: dt.datetime, until: dt.datetime | None = None) -> list[Job
     return out
 
 
-def run_lineage(run, checkpoints_dir: Path | None) -> dict[str, str | None]:
-    """A run record's name, template, project, dataset and code commit (the last two from its latest
-    checkpoint's lineage, when it has one)."""
-    st = run.state()
+def run_lineage(st: dict[str, Any], checkpoints_dir: Path | None) -> dict[str, str | None]:
+    """A run record's (``st``: its run.json) name, template, project, dataset and code commit (the last
+    two from its latest checkpoint's lineage, when it has one)."""
     conf = (st.get("exp_conf") or {}).get("data", {}).get("det_lab", {})
     info: dict[str, str | None] = {"run": st.get("name"), "template": st.get("template"),
                                    "project": conf.get("project"), "dataset": conf.get("dataset"),
@@ -117,21 +116,23 @@ def run_lineage(run, checkpoints_dir: Path | None) -> dict[str, str | None]:
     return info
 
 
-def run_job_ids(run) -> set[str]:
-    """Every Slurm job id a run's record names: its job and the job of each start."""
-    slurm = run.state().get("slurm") or {}
+def run_job_ids(st: dict[str, Any]) -> set[str]:
+    """Every Slurm job id a run's record (``st``: its run.json) names: its job and the job of each start."""
+    slurm = st.get("slurm") or {}
     ids = {str(slurm["job_id"])} if slurm.get("job_id") else set()
     ids |= {str(a["job_id"]) for a in slurm.get("attempts") or [] if a.get("job_id")}
     return ids
 
 
-def join(jobs: list[JobRecord], runs: Iterable[tuple[Any, Path | None]]) -> list[JobRecord]:
-    """``jobs`` with the run record of each det_lab job filled in (``runs``: record, its checkpoints dir)."""
+def join(jobs: list[JobRecord], runs: Iterable[tuple[dict[str, Any], Path | None]]) -> list[JobRecord]:
+    """``jobs`` with the run record of each det_lab job filled in (``runs``: each record's run.json and
+    its checkpoints dir); only a run with a job in ``jobs`` has its checkpoint's lineage read."""
+    wanted = {j.job_id for j in jobs}
     by_id: dict[str, dict[str, str | None]] = {}
-    for run, ckpts in runs:
-        ids = run_job_ids(run)
+    for st, ckpts in runs:
+        ids = run_job_ids(st) & wanted
         if ids:
-            info = run_lineage(run, ckpts)
+            info = run_lineage(st, ckpts)
             by_id.update({i: info for i in ids})
     for job in jobs:
         info = by_id.get(job.job_id)

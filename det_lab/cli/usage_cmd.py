@@ -39,12 +39,13 @@ def usage(
     except UsageError as exc:
         fail(str(exc))
 
-    def checkpoints(run):
-        st = run.state()
-        project = ((st.get("exp_conf") or {}).get("data", {}).get("det_lab", {}) or {}).get("project")
-        return local_checkpoint_dir(settings, project, st.get("exp_conf")) if project else None
+    def records():  # each run.json read once; the order does not matter to the join
+        for run in all_runs(settings, ordered=False):
+            st = run.state()
+            project = ((st.get("exp_conf") or {}).get("data", {}).get("det_lab", {}) or {}).get("project")
+            yield st, local_checkpoint_dir(settings, project, st.get("exp_conf")) if project else None
 
-    jobs = join(jobs, ((r, checkpoints(r)) for r in all_runs(settings)))
+    jobs = join(jobs, records())
     summary = summarize(jobs, by)
     if as_json:
         typer.echo(json.dumps({"since": start.isoformat(timespec="seconds"), "by": by, "summary": summary,
