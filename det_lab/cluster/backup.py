@@ -181,11 +181,6 @@ class Backup:
     def globals_file(self) -> Path:
         return globals_of(self.dump)
 
-    @property
-    def db(self) -> str:
-        m = _NAME.match(self.dump.name)
-        return m.group("db") if m else ""
-
 
 def globals_of(dump: Path) -> Path:
     """The ``.globals.sql`` file written beside ``dump``."""
@@ -224,7 +219,7 @@ def _stream_to(argv: list[str], conn: Connection, tmp: Path, magic: bytes | None
         proc.wait()
     if proc.returncode != 0:
         raise _tool_failure(argv, stderr, proc.returncode)
-    if written < len(magic or b"") and magic is not None:
+    if magic is not None and written < len(magic):
         raise BackupError(f"{Path(argv[0]).name} wrote nothing")
 
 
