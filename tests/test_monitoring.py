@@ -722,3 +722,28 @@ def test_textfile_for_node_exporter_is_written_whole(lab, tmp_path):
     assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"volume": 0, "runs": 0}
     assert {l["project"] for l, _ in samples(text, "det_lab_volume_project_bytes")} == {"vla", "isaac", "3dgs"}
     assert not samples(text, "det_lab_slurm_jobs")  # only the sources asked for
+
+
+def test_backlog_counts_from_each_cursor_and_ages_from_the_first_undelivered_event(tmp_path):
+    """Cursors past the start and a torn last line (a writer killed mid-append): the oldest
+    undelivered event is the one just after each cursor, not its neighbour or the first event."""
+    from det_lab.monitoring.trackers import backlog
+    from det_lab.tracking.events import Metrics, RunInfo
+    from det_lab.tracking.journal import Cursor, Journal
+
+    d = tmp_path / "journal"
+    journal = Journal(d)
+    journal.describe_run(RunInfo("r", "r"), {"mlflow": "http://127.0.0.1:9/", "aim": "aim://127.0.0.1:9"})
+    journal.append([Metrics("training", s, {"loss": 1.0}, timestamp=1000.0 + 10 * s) for s in range(1, 31)])
+    journal.close()
+    journal.advance("mlflow", Cursor(10))
+    with open(journal.segments()[-1], "ab") as f:
+        f.write(b'{"seq": 31, "kind": "metr')
+    assert backlog(d) == {"mlflow": (20, 1110.0), "aim": (30, 1010.0)}
+    journal.advance("mlflow", Cursor(30))
+    journal.advance("aim", Cursor(30))
+    journal.mark_end("FINISHED")
+    assert backlog(d) == {"mlflow": (0, None), "aim": (0, None)}
+    (d / "run.json").write_text("{")
+    with pytest.raises(ValueError, match="missing or damaged"):
+        backlog(d)
