@@ -434,3 +434,17 @@ def test_doctor_ages_the_master_databases_backups_only(tmp_path):
     (backups / "mlflow-20261120T000000Z.dump").write_bytes(b"PGDMP")
     status, detail, _fix = b.backup_check(lab, now=_at("2026-11-20 06:00"))
     assert status == "warn" and "determined-20261115T031500Z.dump" in detail and "5.1 days old" in detail
+
+
+def test_stale_partials_of_this_host_go_even_with_a_dotted_hostname(tmp_path, monkeypatch):
+    """A killed backup's temp file goes at the next backup on its host; a live one's, another host's stay."""
+    monkeypatch.setattr(b.socket, "gethostname", lambda: "node1.lab.example")
+    name = ".determined-20261115T031500Z.dump"
+    dead = tmp_path / f"{name}.node1.lab.example.999999999.a1b2c3{b.PARTIAL_SUFFIX}"  # above any pid_max
+    alive = tmp_path / f"{name}.node1.lab.example.{os.getpid()}.a1b2c3{b.PARTIAL_SUFFIX}"
+    elsewhere = tmp_path / f"{name}.node2.lab.example.999999999.a1b2c3{b.PARTIAL_SUFFIX}"
+    odd = tmp_path / f".odd{b.PARTIAL_SUFFIX}"
+    for f in (dead, alive, elsewhere, odd):
+        f.write_bytes(b"")
+    b._remove_stale_partials(tmp_path)
+    assert all_files(tmp_path) == sorted(f.name for f in (alive, elsewhere, odd))

@@ -227,9 +227,10 @@ def _remove_stale_partials(directory: Path) -> None:
     """Temp files of backups killed on this host (their process is gone)."""
     host = socket.gethostname()
     for p in directory.glob(f".*{PARTIAL_SUFFIX}"):
-        parts = p.name.split(".")
-        # .<name>.<host>.<pid>.<token>.partial
-        if len(parts) >= 5 and parts[-4] == host and parts[-3].isdigit() and not Path(f"/proc/{parts[-3]}").exists():
+        # .<name>.<host>.<pid>.<token>.partial (the host may have dots of its own: node1.lab.example)
+        head, *tail = p.name.removesuffix(PARTIAL_SUFFIX).rsplit(".", 2)
+        pid = tail[0] if len(tail) == 2 else ""
+        if head.endswith(f".{host}") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
             p.unlink(missing_ok=True)
 
 
