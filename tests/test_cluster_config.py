@@ -286,19 +286,6 @@ def test_tracking_the_tasks_cannot_reach_is_warned_with_the_fix(lab, tracking, w
     assert (f"MLFLOW_TRACKING_URI={uri}" in env) == uri.startswith("http")
 
 
-def _validate_expconf(path: Path) -> None:
-    """Determined 0.38.1's expconf schemas (the shared validator), where this checkout has them."""
-    import os
-    import subprocess
-    import sys
-
-    validator = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"
-    if validator.exists():
-        check = subprocess.run([str(validator), str(path)], capture_output=True, text=True,
-                               env={**os.environ, "PYTHON": sys.executable})
-        assert check.returncode == 0, check.stdout + check.stderr
-
-
 @pytest.mark.parametrize("notebooks, seconds, timeout, kind", [
     ({}, 7200, "2h", "kernels_or_terminals"),  # the lab-wide default
     ({"idle_timeout": "1h30m", "idle_type": "activity"}, 5400, "1h30m", "activity"),
@@ -323,7 +310,7 @@ def test_idle_notebook_default_is_rendered_into_master_and_notebook_template(lab
     # what the template shares with an experiment config passes Determined's schema
     shared = tmp_path / "shared.yaml"
     shared.write_text(yaml.safe_dump({k: v for k, v in tpl.items() if k not in ("idle_timeout", "notebook_idle_type")}))
-    _validate_expconf(shared)
+    expconf.assert_valid([shared], template=True)
     # the experiment template stays free of notebook-only keys (an experiment config refuses them)
     plain = yaml.safe_load(invoke(lab, "cluster", "template").stdout)
     assert "idle_timeout" not in plain and "notebook_idle_type" not in plain
