@@ -188,6 +188,14 @@ def test_compare_verdicts():
     assert missing_step.verdict == "diverged at step 30 (training/loss)"
     wide = compare(recs(1.0, 0.5), recs(1.0, 0.6), rtol=0.5)
     assert wide.verdict.startswith("reproduced within tolerance") and wide.metrics[0].max_abs == pytest.approx(0.1)
+    # a series shifted by one step is matched by step number, not position: it diverges
+    shifted = compare(recs(1.0, 0.5, 0.25), [{"group": "training", "step": 10 * (i + 2), "metrics": {"loss": v}}
+                                             for i, v in enumerate((1.0, 0.5, 0.25))])
+    assert shifted.verdict == "diverged at step 10 (training/loss)"
+    # a NaN or an infinity where the original had a number (or the reverse) is no tolerable difference
+    for a, b in ((0.5, float("nan")), (float("nan"), 0.5), (float("inf"), 0.5), (0.5, float("-inf"))):
+        assert compare(recs(1.0, a), recs(1.0, b), rtol=0.5).verdict == "diverged at step 20 (training/loss)"
+    assert compare(recs(float("nan")), recs(float("nan"))).verdict == "reproduced exactly"
 
 
 def test_dirty_tree_reproduces_from_its_saved_patch_found_by_aim_hash(moved):

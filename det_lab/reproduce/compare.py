@@ -80,7 +80,9 @@ def compare(original: list[dict[str, Any]], new: list[dict[str, Any]], from_step
             d = abs(x - y)
             diff.max_abs = max(diff.max_abs, d)
             diff.max_rel = max(diff.max_rel, d / abs(x) if x else math.inf)
-            if d > atol + rtol * abs(x) and diff.first_beyond is None:
+            # a NaN or infinity against anything else is beyond any tolerance (d > ... is False for NaN)
+            beyond = not math.isfinite(d) or d > atol + rtol * abs(x)
+            if beyond and diff.first_beyond is None:
                 diff.first_beyond = step
         result.metrics.append(diff)
     return result
