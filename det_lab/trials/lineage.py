@@ -25,10 +25,14 @@ UNTAGGED = ("config", "hyperparameters")
 
 
 def collect_lineage(identity: TrialIdentity, dataset: PulledDataset | None, record: RunRecord,
-                    environments_dir: Path | None = None) -> dict[str, Any]:
+                    environments_dir: Path | None = None, provenance: bool = True) -> dict[str, Any]:
     """Versions, host, code commit, run key, the dataset's identity and the record's own extras;
     the code's repository and local changes, the environment (stored in ``environments_dir``), the
-    config as run, seed, template and scheduler (:mod:`det_lab.trials.provenance`)."""
+    config as run, seed, template and scheduler (:mod:`det_lab.trials.provenance`).
+
+    ``provenance=False`` leaves out the code and environment entries (git diffs, the patch file,
+    a scan of every installed distribution): a trial's other ranks, whose checkpoint metadata
+    Determined merges into the chief's, need not repeat them."""
     lineage: dict[str, Any] = {
         "det_lab_version": __version__,
         "determined_version": DETERMINED_VERSION,
@@ -43,13 +47,14 @@ def collect_lineage(identity: TrialIdentity, dataset: PulledDataset | None, reco
         "hyperparameters": identity.hparams,
         **record.lineage_extras(),
     }
-    try:  # never stops a trial: a failure leaves the entry out
-        if identity.record_dir is None:
-            record.dir.mkdir(parents=True, exist_ok=True)
-        lineage["code"] = code_lineage(Path.cwd(), record.dir)
-        lineage["environment"] = environment_lineage(environments_dir)
-    except Exception:  # noqa: BLE001
-        pass
+    if provenance:
+        try:  # never stops a trial: a failure leaves the entry out
+            if identity.record_dir is None:
+                record.dir.mkdir(parents=True, exist_ok=True)
+            lineage["code"] = code_lineage(Path.cwd(), record.dir)
+            lineage["environment"] = environment_lineage(environments_dir)
+        except Exception:  # noqa: BLE001
+            pass
     if dataset is not None:
         lineage["dataset"] = asdict(dataset.identity)
     return {k: v for k, v in lineage.items() if v is not None}

@@ -101,7 +101,10 @@ class LabSession:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
         environments = VolumeLayout.from_settings(self.settings).outputs(self.identity.project) / ENVIRONMENTS_DIR
-        self.lineage = collect_lineage(self.identity, self.dataset, self.record, environments)
+        # the code's patch and the environment's list once per trial, by the chief (the one that
+        # writes run.json, the tracker tags and, merged with the others', the checkpoint metadata)
+        self.lineage = collect_lineage(self.identity, self.dataset, self.record, environments,
+                                       provenance=self.is_chief)
         if self.is_chief:
             self.record.note_lineage(self.lineage)
             self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking)
