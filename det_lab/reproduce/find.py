@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +44,9 @@ class Origin:
     def name(self) -> str:
         return self.record.dir.name if self.record else str(self.lineage.get("run_key", self.ref))
 
-    @property
+    @cached_property
     def state(self) -> dict[str, Any]:
+        """The original's ``run.json``, read once (config, seed and checkpoints all ask for it)."""
         return self.record.state() if self.record else {}
 
     @property
@@ -196,8 +198,9 @@ def _from_tags(ref: str, tags: dict[str, str], tracker: dict[str, str], records:
     if record_dir and (Path(record_dir) / "run.json").is_file():
         record = next((r for r in records if r.dir == Path(record_dir)), None)
     record = record or _record_by_key(records, tags.get("run_key") or tags.get("det_lab.run_key"))
-    if record is not None and record.state().get("lineage"):
-        return Origin(ref, record.state()["lineage"], record, None, which, tracker)
+    lineage = record.state().get("lineage") if record is not None else None
+    if lineage:
+        return Origin(ref, lineage, record, None, which, tracker)
     if "run_key" not in tags and "code_commit" not in tags and "det_lab_version" not in tags:
         raise ReproduceError(f"{which} {ref} has no det_lab lineage (no run_key, code or dataset tags): "
                              "it was not logged by a det_lab trial")
