@@ -159,22 +159,19 @@ def render_slurmdbd_conf(slurm: SlurmSettings, password: str) -> str:
 
 def write_slurmdbd_conf(path: Path, text: str, slurm_user: str) -> str | None:
     """Write slurmdbd.conf with mode 0600 and hand it to the Slurm user; a note when that cannot be done."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    note = None
+    from det_lab.cluster.secrets import write_private
+
+    write_private(path, text)  # 0600 from its creation: it holds the database password
     try:
         entry = pwd.getpwnam(slurm_user)
-        if (os.stat(tmp).st_uid, os.stat(tmp).st_gid) != (entry.pw_uid, entry.pw_gid):
-            os.chown(tmp, entry.pw_uid, entry.pw_gid)
+        st = os.stat(path)
+        if (st.st_uid, st.st_gid) != (entry.pw_uid, entry.pw_gid):
+            os.chown(path, entry.pw_uid, entry.pw_gid)
     except KeyError:
-        note = f"user {slurm_user} does not exist here: chown {slurm_user} {path} on the slurmdbd machine"
+        return f"user {slurm_user} does not exist here: chown {slurm_user} {path} on the slurmdbd machine"
     except PermissionError:
-        note = f"not allowed to hand {path} to {slurm_user}: run 'chown {slurm_user} {path}' as root"
-    os.replace(tmp, path)
-    return note
+        return f"not allowed to hand {path} to {slurm_user}: run 'chown {slurm_user} {path}' as root"
+    return None
 
 
 def database_sql(slurm: SlurmSettings, password: str = "<password>") -> list[str]:
