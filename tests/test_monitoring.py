@@ -747,3 +747,13 @@ def test_backlog_counts_from_each_cursor_and_ages_from_the_first_undelivered_eve
     (d / "run.json").write_text("{")
     with pytest.raises(ValueError, match="missing or damaged"):
         backlog(d)
+
+
+def test_volume_areas_are_the_directories_the_quota_counts(tmp_path):
+    """The volume source splits a project's bytes by its own list of areas; a directory added to
+    the quota's list (VolumeLayout.project_dirs) and not to it would go missing from its total."""
+    from det_lab.monitoring.volume import AREAS, area_dir
+    from det_lab.volume import VolumeLayout
+
+    layout = VolumeLayout(tmp_path)
+    assert sorted(area_dir(layout, "p", a) for a in AREAS) == sorted(layout.project_dirs("p"))
