@@ -33,8 +33,7 @@ def usage(
     settings = state(ctx).settings
     try:
         start = parse_since(since)
-        rows_by = by  # checked by summarize, before sacct runs
-        summarize([], rows_by)
+        summarize([], by)  # checks --by before sacct runs
         jobs = sacct_jobs(start)
     except UsageError as exc:
         fail(str(exc))
