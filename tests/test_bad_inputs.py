@@ -403,3 +403,8 @@ def test_damaged_run_record_is_one_line(shared, tmp_path):
     assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--resume",
                               "--run", run.name), str(run / "run.json"))
     assert snapshot_tree(shared.root) == before
+
+
+def test_an_error_line_keeps_the_brackets_of_what_it_quotes(volume):
+    """fail() prints its message as text: a name with brackets is not taken for rich markup."""
+    assert_refused(cli(volume, "runs", "list", "--project", "vla[bold]x[/]"), "unknown project 'vla[bold]x[/]'")

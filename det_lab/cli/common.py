@@ -43,8 +43,11 @@ def state(ctx: typer.Context) -> State:
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
-    """Print one line to stderr and exit: the only way det-lab reports a user error."""
-    err_console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """Print one line to stderr and exit: the only way det-lab reports a user error. ``message``
+    is plain text: brackets in it (``members[alice]``, a tool's ``[error]``) are printed as they are."""
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

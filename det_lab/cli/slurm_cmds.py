@@ -41,9 +41,7 @@ def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
     try:
         return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
     except SlurmConfigError as exc:
-        from rich.markup import escape
-
-        fail(escape(str(exc)))  # a member's key reads accounting.members[alice].gpu_limit
+        fail(str(exc))  # a member's key reads accounting.members[alice].gpu_limit
 
 
 def _write(out: Path, files: dict[str, str]) -> None:
