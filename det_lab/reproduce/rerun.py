@@ -129,13 +129,22 @@ def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, c
     return Plan(origin, record, cwd, command, scratch, source, start["step"] if start else 0)
 
 
+def _checkpoint_dir(settings: LabSettings, origin: Origin, uuid_: str) -> Path | None:
+    """Checkpoint ``uuid_``'s directory: where :func:`~det_lab.reproduce.find.locate` found it
+    when the run was named by it (still there), else searched for under the volume's checkpoints."""
+    from det_lab.reproduce.find import find_checkpoint
+
+    named = origin.checkpoint or {}
+    if named.get("uuid") == uuid_ and named.get("dir") and (Path(named["dir"]) / "metadata.json").is_file():
+        return Path(named["dir"])
+    return find_checkpoint(VolumeLayout.from_settings(settings), uuid_)
+
+
 def _checkpoint_code(settings: LabSettings, origin: Origin) -> Path:
     """The ``code/`` copy Determined keeps in each checkpoint: the named one's, else the run's
     latest; a one-line refusal when there is none."""
-    from det_lab.reproduce.find import find_checkpoint
-
     uuid_ = (origin.checkpoint or {}).get("uuid") or origin.state.get("latest_checkpoint")
-    where = find_checkpoint(VolumeLayout.from_settings(settings), uuid_) if uuid_ else None
+    where = _checkpoint_dir(settings, origin, uuid_) if uuid_ else None
     if where is None or not (where / "code").is_dir():
         raise ReproduceError(f"run {origin.name} recorded no code repository and commit (its code was not in git) "
                              "and has no checkpoint with a copy of its code: it cannot be rebuilt")
@@ -145,8 +154,6 @@ def _checkpoint_code(settings: LabSettings, origin: Origin) -> Path:
 def _start_checkpoint(settings: LabSettings, origin: Origin) -> dict[str, Any]:
     """The checkpoint ``--continue`` starts from: the one named, else the run's latest; it must
     still be on the volume."""
-    from det_lab.reproduce.find import find_checkpoint
-
     if origin.checkpoint:
         start = origin.checkpoint
     elif origin.state.get("latest_checkpoint"):
@@ -154,7 +161,7 @@ def _start_checkpoint(settings: LabSettings, origin: Origin) -> dict[str, Any]:
         start = {"uuid": state["latest_checkpoint"], "step": int(state.get("latest_checkpoint_step") or 0)}
     else:
         raise ReproduceError(f"run {origin.name} has no checkpoint to continue from")
-    if find_checkpoint(VolumeLayout.from_settings(settings), start["uuid"]) is None:
+    if _checkpoint_dir(settings, origin, start["uuid"]) is None:
         raise ReproduceError(f"checkpoint {start['uuid']} of run {origin.name} is gone from the volume: "
                              "reproduce the run from the start (without --continue)")
     return start
