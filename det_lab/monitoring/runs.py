@@ -29,17 +29,10 @@ LIVE = {"running"}
 
 
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
-    """``(kind, run.json)`` of every local-style run of ``project``, any registered kind.
-
-    Like :func:`det_lab.trials.record.iter_records`, without opening each record to learn its kind
-    and sorting by age: a scrape of 10,000 runs reads each ``run.json`` once."""
-    for kind in records.SHIPPED_KINDS:
-        records._load_kind(kind)
-    for kind, cls in sorted(records._KINDS.items()):
-        root = cls.runs_root(layout, project)
-        for path in sorted(root.glob(f"*/{RUN_FILE}")) if root.is_dir() else []:
-            if not path.parent.name.startswith("."):  # .<name>.tmp: a run being created
-                yield kind, path
+    """``(kind, run.json)`` of every local-style run of ``project``, any registered kind, without
+    opening each record or sorting by age (:func:`det_lab.trials.record.run_dirs`)."""
+    for directory, cls in sorted(records.run_dirs(layout, project).items(), key=lambda item: (item[1].kind, item[0])):
+        yield cls.kind, directory / RUN_FILE
 
 
 def run_status(state: dict, run_dir: Path) -> str:

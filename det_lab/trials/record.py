@@ -293,14 +293,19 @@ def _load_kind(kind: str) -> type[LocalRunRecord]:
     return _KINDS.get(kind, LocalRunRecord)
 
 
-def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
-    """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
+def run_dirs(layout: VolumeLayout, project: str) -> dict[Path, type[LocalRunRecord]]:
+    """Every local-style run directory of ``project`` with its record class, in no order: one
+    glob per kind's runs directory, no run file read (where a run is says its kind)."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
-    # each kind has a runs directory of its own: where a run is says its kind, without reading it
-    dirs = {p.parent: cls for cls in set(_KINDS.values())
+    return {p.parent: cls for cls in set(_KINDS.values())
             for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
             if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
+
+
+def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
+    """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
+    dirs = run_dirs(layout, project)
     for d in sorted(dirs, key=lambda p: p.stat().st_mtime):
         yield dirs[d](d)
 
