@@ -103,16 +103,19 @@ def _from_record(ref: str, record: LocalRunRecord) -> Origin:
 
 def _record_by_key(records: list[LocalRunRecord], run_key: str | None) -> LocalRunRecord | None:
     """The run whose ``run.json`` has ``run_key``; the one whose directory the key names first
-    (``local-<name>``), should a copied directory carry the same key."""
-    matches = []
-    for record in records:
+    (``local-<name>``), should a copied directory carry the same key. The named ones' ``run.json``
+    is read first: every run's only when none of them has the key (a cluster run's)."""
+    if not run_key:
+        return None
+
+    def has_key(record: LocalRunRecord) -> bool:
         try:
-            if run_key and record.state().get("run_key") == run_key:
-                matches.append(record)
+            return record.state().get("run_key") == run_key
         except ValueError:
-            continue
-    named = [r for r in matches if run_key and run_key.endswith(f"-{r.dir.name}")]
-    return (named or matches or [None])[0]
+            return False
+
+    named = (r for r in records if run_key.endswith(f"-{r.dir.name}"))
+    return next(filter(has_key, named), None) or next(filter(has_key, records), None)
 
 
 def find_checkpoint(layout: VolumeLayout, uuid: str) -> Path | None:
