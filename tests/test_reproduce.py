@@ -407,3 +407,18 @@ def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
     (repo / "t" / "big.bin").unlink()
     whole = code_lineage(repo / "t", tmp_path / "run", cap=10_000)  # under the cap: the diff itself
     assert not whole["patch_capped"] and (record / "code.patch").read_text().count("+x = 2") == 50
+
+
+def test_refuses_a_checkpoint_determined_wrote_without_det_lab(tmp_path):
+    """A checkpoint whose metadata.json is Determined's own (no ``det_lab`` lineage) is named as such."""
+    from det_lab.reproduce.find import ReproduceError, locate
+    from det_lab.settings import LabSettings
+
+    settings = LabSettings(data_root=tmp_path)
+    uuid = "0b9f7a7e-3c1d-4f5e-9a2b-6c7d8e9f0a1b"
+    ckpt = tmp_path / "checkpoints" / "vla" / uuid
+    ckpt.mkdir(parents=True)
+    (ckpt / "metadata.json").write_text(json.dumps({"steps_completed": 40, "framework": "torch-2.3.0",
+                                                    "format": "pickle", "determined_version": "0.37.0"}))
+    with pytest.raises(ReproduceError, match=f"checkpoint {uuid} .* not written by a det_lab trial"):
+        locate(settings, uuid)
