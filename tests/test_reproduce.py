@@ -360,6 +360,20 @@ def test_refuses_a_tracker_run_without_lineage(moved):
     assert f"mlflow run id {foreign} has no det_lab lineage" in err
 
 
+def test_refuses_a_checkpoint_whose_metadata_json_is_truncated_naming_the_file(moved):
+    """A copy of orig's last checkpoint whose metadata.json was cut off mid-file (a copy interrupted)."""
+    lab = moved
+    ckpts = lab.root / "checkpoints" / "vla"
+    ref = "5d0c6a1e-8b2f-4c3d-9e4a-1f2b3c4d5e6f"
+    shutil.copytree(ckpts / state(lab, "orig")["latest_checkpoint"], ckpts / ref)
+    meta = ckpts / ref / "metadata.json"
+    text = meta.read_text()
+    meta.write_text(text[: len(text) // 2])
+    err = refused(lab, ref)
+    assert f"checkpoint {ref}: {meta} is not valid JSON" in err
+    assert "reproduce it from another of the run's checkpoints or by its run name" in err
+
+
 def test_refuses_a_dataset_revision_whose_objects_are_gone(moved):
     """Last: it deletes the first revision's objects from the snapshot, the cache and the remote."""
     lab = moved

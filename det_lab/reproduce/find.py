@@ -132,7 +132,7 @@ def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunReco
     where = find_checkpoint(layout, uuid)
     if where is None:
         raise ReproduceError(f"checkpoint {uuid} is not under {layout.checkpoints} (no metadata.json found)")
-    meta = json.loads((where / "metadata.json").read_text())
+    meta = _checkpoint_metadata(uuid, where / "metadata.json")
     lineage = meta.get("det_lab")
     if not lineage:
         raise ReproduceError(f"checkpoint {uuid} ({where}) has no det_lab lineage in its metadata.json: "
@@ -144,6 +144,24 @@ def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunReco
     if record is None and project and lineage.get("run_key"):  # a cluster trial: its saved patch is there
         origin.record_dir = ClusterRunRecord(layout, project, lineage["run_key"]).dir
     return origin
+
+
+def _checkpoint_metadata(uuid: str, path: Path) -> dict[str, Any]:
+    """Checkpoint ``uuid``'s ``metadata.json``; a damaged one (cut short by an interrupted copy,
+    edited by hand) is one :class:`ReproduceError` naming the file."""
+    advice = "reproduce it from another of the run's checkpoints or by its run name (det-lab runs list)"
+    try:
+        meta = json.loads(path.read_bytes())
+    except UnicodeDecodeError as exc:
+        raise ReproduceError(f"checkpoint {uuid}: {path} is not valid JSON (not UTF-8 text: {exc.reason} "
+                             f"at byte {exc.start}): it is damaged; {advice}") from None
+    except json.JSONDecodeError as exc:
+        raise ReproduceError(f"checkpoint {uuid}: {path} is not valid JSON ({exc.msg} at line {exc.lineno} "
+                             f"column {exc.colno}; cut short or edited?): {advice}") from None
+    if not isinstance(meta, dict):
+        raise ReproduceError(f"checkpoint {uuid}: {path} holds a JSON {type(meta).__name__}, not an object: "
+                             f"it is damaged; {advice}")
+    return meta
 
 
 def _tracker_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str] | None, dict[str, str]]:
