@@ -423,6 +423,64 @@ def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
     assert not whole["patch_capped"] and (record / "code.patch").read_text().count("+x = 2") == 50
 
 
+def test_untracked_files_in_a_subdirectory_and_binary_are_rebuilt_with_a_constant_number_of_git_calls(
+        tmp_path, monkeypatch):
+    """A dirty tree with a changed file and untracked ones (in a subdirectory, binary, executable;
+    an ignored one): its code.patch rebuilds the tree at the commit byte for byte, the user's index
+    is left alone, and saving it takes as many git calls for 23 untracked files as for 3."""
+    import hashlib
+    import stat
+
+    from det_lab.reproduce.code import checkout
+    from det_lab.trials.provenance import code_lineage, working_changes
+
+    repo = tmp_path / "code"
+    (repo / "t").mkdir(parents=True)
+    (repo / "t" / "train.py").write_text("x = 1\n")
+    (repo / ".gitignore").write_text("*.log\n")
+    git(repo, "init", "--quiet")
+    git(repo, "add", ".")
+    git(repo, "commit", "--quiet", "-m", "c")
+    (repo / "t" / "train.py").write_text("from helpers.scale import FACTOR\nx = 2 * FACTOR\n")
+    (repo / "t" / "helpers").mkdir()
+    (repo / "t" / "helpers" / "scale.py").write_text("FACTOR = 3.0\n")
+    weights = b"".join(hashlib.sha256(bytes([i])).digest() for i in range(256))  # 8 KiB, no two blocks alike
+    (repo / "t" / "weights.bin").write_bytes(weights)
+    (repo / "t" / "run.sh").write_text("#!/bin/sh\npython train.py\n")
+    (repo / "t" / "run.sh").chmod(0o755)
+    (repo / "t" / "debug.log").write_text("ignored\n")
+    status = git(repo, "status", "--porcelain", "--untracked-files=all")
+    record = tmp_path / "run"
+    record.mkdir()
+    code = code_lineage(repo / "t", record)
+    assert code["dirty"] and not code["patch_capped"]
+    assert git(repo, "status", "--porcelain", "--untracked-files=all") == status
+
+    where = checkout(code, tmp_path / "rebuilt", record / "code.patch")
+    assert (where / "train.py").read_text() == "from helpers.scale import FACTOR\nx = 2 * FACTOR\n"
+    assert (where / "helpers" / "scale.py").read_text() == "FACTOR = 3.0\n"
+    assert (where / "weights.bin").read_bytes() == weights
+    assert (where / "run.sh").stat().st_mode & stat.S_IXUSR
+    assert not (where / "debug.log").exists()
+
+    log = tmp_path / "git-calls"
+    shim = tmp_path / "bin" / "git"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\necho "$1" >> {log}\nexec {shutil.which("git")} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+
+    def calls() -> list[str]:
+        log.unlink(missing_ok=True)
+        working_changes(repo)
+        return log.read_text().split()
+
+    few = calls()
+    for i in range(20):
+        (repo / "t" / "helpers" / f"part_{i:02d}.py").write_text(f"PART = {i}\n")
+    assert calls() == few and len(few) <= 4
+
+
 def test_refuses_a_checkpoint_determined_wrote_without_det_lab(tmp_path):
     """A checkpoint whose metadata.json is Determined's own (no ``det_lab`` lineage) is named as such."""
     from det_lab.reproduce.find import ReproduceError, locate

@@ -21,6 +21,8 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +35,17 @@ CODE_REPO_ENV = "DET_LAB_CODE_REPO"
 CAPPED_NOTE = "# det_lab: local changes not saved"
 
 
-def _git(cwd: Path, *args: str, ok: tuple[int, ...] = (0,)) -> str | None:
+_GIT_ENV = {"GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"}
+_GIT_TIMEOUT = 60
+
+
+def _git(cwd: Path, *args: str) -> str | None:
     try:
-        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, timeout=60,
-                              env={**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"})
+        proc = subprocess.run(["git", *args], cwd=cwd, capture_output=True, check=False, timeout=_GIT_TIMEOUT,
+                              env={**os.environ, **_GIT_ENV})
     except (OSError, subprocess.SubprocessError):
         return None
-    if proc.returncode not in ok:
+    if proc.returncode != 0:
         return None
     return proc.stdout.decode(errors="surrogateescape")
 
@@ -47,22 +53,71 @@ def _git(cwd: Path, *args: str, ok: tuple[int, ...] = (0,)) -> str | None:
 def working_changes(root: Path, cap: int = PATCH_CAP) -> tuple[bytes, int]:
     """Everything uncommitted in the work tree at ``root``: ``git diff --binary HEAD`` plus each
     untracked, not ignored file as a new-file diff; and its size. Untracked files are not read
-    once the total passes ``cap`` (a stray multi-gigabyte file): the size is then their sum."""
-    parts = [(_git(root, "diff", "--binary", "HEAD") or "").encode(errors="surrogateescape")]
-    total = len(parts[0])
-    untracked = (_git(root, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")
-    for name in filter(None, untracked):
-        if total > cap:
-            try:
-                total += (root / name).stat().st_size
-            except OSError:
-                pass
-            continue
-        diff = _git(root, "diff", "--binary", "--no-index", "--", "/dev/null", name, ok=(0, 1))
-        if diff:
-            parts.append(diff.encode(errors="surrogateescape"))
-            total += len(parts[-1])
-    return b"".join(parts), total
+    once the total passes ``cap`` (a stray multi-gigabyte file): the size then counts them by
+    their length on disk. Four git calls, however many files there are."""
+    tracked = (_git(root, "diff", "--binary", "HEAD") or "").encode(errors="surrogateescape")
+    listed = (_git(root, "ls-files", "--others", "--exclude-standard", "-z") or "").split("\0")
+    untracked = [name for name in listed if name]
+    if not untracked:
+        return tracked, len(tracked)
+    if len(tracked) > cap:
+        return tracked, len(tracked) + _sizes(root, untracked)
+    added, started = _untracked_diff(root, untracked, cap - len(tracked))
+    total = len(tracked) + len(added)
+    if total > cap:  # cut short: the files git had not reached count by their size
+        total += _sizes(root, untracked[started:])
+    return tracked + added, total
+
+
+def _sizes(root: Path, names: list[str]) -> int:
+    total = 0
+    for name in names:
+        try:
+            total += (root / name).stat().st_size
+        except OSError:
+            pass
+    return total
+
+
+def _untracked_diff(root: Path, names: list[str], budget: int) -> tuple[bytes, int]:
+    """The new-file diffs of untracked ``names`` (in git's path order, as ``ls-files`` lists them)
+    and how many of them it began: they are added with ``--intent-to-add`` to a scratch index
+    (the repository's own is left alone) and diffed in one ``git diff --binary``, whose output is
+    read only while it stays within ``budget`` bytes (git is stopped past it)."""
+    with tempfile.TemporaryDirectory(prefix="det-lab-patch-") as scratch:
+        env = {**os.environ, **_GIT_ENV, "GIT_INDEX_FILE": os.path.join(scratch, "index"),
+               "GIT_LITERAL_PATHSPECS": "1"}  # a name with '*' or ':' is a file, not a pattern
+        paths = b"\0".join(os.fsencode(name) for name in names)
+        try:
+            added = subprocess.run(["git", "add", "--intent-to-add", "--pathspec-from-file=-",
+                                    "--pathspec-file-nul"], cwd=root, input=paths, capture_output=True,
+                                   check=False, timeout=_GIT_TIMEOUT, env=env)
+            if added.returncode != 0:
+                return b"", 0
+            proc = subprocess.Popen(["git", "diff", "--binary"], cwd=root, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        except (OSError, subprocess.SubprocessError):
+            return b"", 0
+        timer = threading.Timer(_GIT_TIMEOUT, proc.kill)
+        timer.start()
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            assert proc.stdout is not None
+            while size <= budget and (chunk := proc.stdout.read1(1 << 16)):
+                chunks.append(chunk)
+                size += len(chunk)
+            if size > budget:
+                proc.kill()
+        finally:
+            timer.cancel()
+            proc.stdout.close()
+            code = proc.wait()
+    out = b"".join(chunks)
+    if size <= budget and code != 0:
+        return b"", 0
+    started = out.count(b"\ndiff --git ") + out.startswith(b"diff --git ")
+    return out, started
 
 
 def code_lineage(path: Path, record_dir: Path | None, cap: int = PATCH_CAP) -> dict[str, Any] | None:
