@@ -421,6 +421,31 @@ def test_rendered_timer_runs_a_backup_and_doctor_watches_its_age(cl, pg, tmp_pat
     assert check["status"] == "warn" and "3.0 days old" in check["detail"] and "det-lab cluster backup" in check["fix"]
 
 
+def test_backup_timer_units_are_written_whole_with_the_mode_they_had(cl, tmp_path):
+    """A rewrite cut short (the file size limit hit mid-write) leaves the units as they were, no
+    half unit and no temp file; a new unit gets the mode a new file gets, a rewritten one keeps its own."""
+    units = tmp_path / "units"
+    assert cli(cl, "cluster", "backup-timer", "--out", str(units), "--user", "root").returncode == 0
+    names = ["det-lab-backup.service", "det-lab-backup.timer"]
+    before = {n: (units / n).read_text() for n in names}
+    mask = os.umask(0)
+    os.umask(mask)
+    new_mode = 0o666 & ~(mask & ~0o070)  # det-lab clears the umask's group bits (volume.share_with_group)
+    assert {n: stat.S_IMODE((units / n).stat().st_mode) for n in names} == dict.fromkeys(names, new_mode)
+    assert all(t.endswith("\n") and len(t) > 200 for t in before.values())
+
+    (units / names[0]).chmod(0o640)
+    cut = cli(cl, "cluster", "backup-timer", "--out", str(units), "--user", "nobody", limit_file_bytes=64)
+    assert cut.returncode == 2 and f"cannot write to {units}" in one_error_line(cut)
+    assert {n: (units / n).read_text() for n in names} == before
+    assert sorted(p.name for p in units.iterdir()) == names
+
+    assert cli(cl, "cluster", "backup-timer", "--out", str(units), "--user", "nobody").returncode == 0
+    assert "User=nobody\n" in (units / names[0]).read_text()
+    assert stat.S_IMODE((units / names[0]).stat().st_mode) == 0o640
+    assert stat.S_IMODE((units / names[1]).stat().st_mode) == new_mode
+
+
 def test_doctor_ages_the_master_databases_backups_only(tmp_path):
     """A fresh backup of another database in the same directory does not hide a stale one of the master's."""
     from det_lab.settings import LabSettings

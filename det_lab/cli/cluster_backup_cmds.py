@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 
 import typer
@@ -70,6 +72,7 @@ def backup_timer(
     import getpass
 
     from det_lab.cluster.backup import UNIT_NAME, render_units
+    from det_lab.volume import atomic_write_text
 
     _lab, cluster = _load(ctx)
     units = render_units(cluster, user=user or getpass.getuser())
@@ -82,8 +85,18 @@ def backup_timer(
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
-            (out / name).write_text(text)
+            atomic_write_text(out / name, text, mode=_unit_mode(out / name))
     except OSError as exc:
         fail(f"cannot write to {out}: {exc.strerror or exc}")
     console.print(f"wrote {', '.join(files)} to {out}; enable with: systemctl daemon-reload && "
                   f"systemctl enable --now {UNIT_NAME}.timer", highlight=False, soft_wrap=True)
+
+
+def _unit_mode(path: Path) -> int:
+    """The mode a unit file keeps when rewritten (its own), else the one a new file gets (umask)."""
+    try:
+        return stat.S_IMODE(path.stat().st_mode)
+    except FileNotFoundError:
+        mask = os.umask(0)
+        os.umask(mask)
+        return 0o666 & ~mask
