@@ -34,12 +34,18 @@ def _nvml():
         return None
     try:
         pynvml.nvmlInit()
-    except pynvml.NVMLError as exc:
-        if isinstance(exc, (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded)) or \
-                "not found" in str(exc).lower():
-            return None
-        raise
+    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
+        return None
     return pynvml
+
+
+def _compute_processes(nvml, handle) -> list:
+    """The GPU's compute processes; a driver before R510 has the ``_v2`` call (same struct), not the ``_v3``
+    nvidia-ml-py calls."""
+    try:
+        return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except (nvml.NVMLError_FunctionNotFound, getattr(nvml, "NVMLLibraryMismatchError", ())):
+        return nvml.nvmlDeviceGetComputeRunningProcesses_v2(handle)
 
 
 def process_owner(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
@@ -103,7 +109,7 @@ class GpuSource:
         out.add("gpu_memory_used_bytes", "GPU memory in use", gpu, mem.used)
         out.add("gpu_memory_total_bytes", "GPU memory in all", gpu, mem.total)
         seen: set[int] = set()
-        for p in nvml.nvmlDeviceGetComputeRunningProcesses(handle):
+        for p in _compute_processes(nvml, handle):
             if p.pid in seen:
                 continue
             seen.add(p.pid)
