@@ -28,11 +28,8 @@ Aim 3.29 specifics this backend deals with:
 from __future__ import annotations
 
 import atexit
-import hashlib
 import inspect
 import logging
-import math
-import socket
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -41,6 +38,16 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from det_lab.tracking.aim_remote import discard_queued_writes, probe_tcp, release_remote_resources
+from det_lab.tracking.aim_schema import (  # noqa: F401 (importable from here, as before)
+    GROUP_CONTEXT,
+    META_SECTION,
+    PARAMS_SECTION,
+    RUN_HASH_LENGTH,
+    coerce_param,
+    derive_run_hash,
+    merge_dotted,
+)
 from det_lab.tracking.backend import RunStatus, TrackerBackend
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Metrics, Params, RunInfo, Tags
 from det_lab.tracking.targets import default_local_repo  # noqa: F401 (where readers import it from)
@@ -48,76 +55,6 @@ from det_lab.tracking.targets import default_local_repo  # noqa: F401 (where rea
 logger = logging.getLogger(__name__)
 
 REMOTE_SCHEME = "aim://"
-#: where a run keeps det_lab's tags, run key, status and latest checkpoint
-META_SECTION = "det_lab"
-#: where a run keeps its hyperparameters (nested, as the user wrote them)
-PARAMS_SECTION = "hparams"
-#: the sequence-context key holding a metric's group (train, validation ...)
-GROUP_CONTEXT = "subset"
-
-
-RUN_HASH_LENGTH = 24  # what aim.sdk.utils.generate_run_hash produces
-
-
-def derive_run_hash(key: str) -> str:
-    """The Aim run hash for a det_lab run key: 24 hex chars, like Aim's own hashes.
-
-    Part of the on-disk contract: changing it would start new Aim runs for resumed trials.
-    """
-    return hashlib.sha256(f"det_lab:{key}".encode()).hexdigest()[:RUN_HASH_LENGTH]
-
-
-def coerce_param(value: str) -> Any:
-    """A flattened param string back as int/float/bool/None when that is exactly what it was.
-
-    Only exact round trips convert (``str(result) == value``), so strings such as ``"007"``,
-    ``"1e-3"`` or ``"nan"`` stay strings.
-    """
-    special = {"True": True, "False": False, "None": None}
-    if value in special:
-        return special[value]
-    for cast in (int, float):
-        try:
-            converted = cast(value)
-        except (ValueError, OverflowError):
-            continue
-        if str(converted) == value and not (isinstance(converted, float) and not math.isfinite(converted)):
-            return converted
-    return value
-
-
-def merge_dotted(target: dict[str, Any], values: dict[str, str]) -> dict[str, Any]:
-    """Merge dotted params (``optimizer.lr``) into a nested dict, coercing values.
-
-    A key that cannot nest (a part is empty, or a prefix is already a plain value) is kept flat.
-    """
-    for key, raw in values.items():
-        value = coerce_param(raw)
-        parts = key.split(".")
-        node = target
-        if all(parts):
-            for part in parts[:-1]:
-                child = node.setdefault(part, {})
-                if not isinstance(child, dict):
-                    node = None
-                    break
-                node = child
-        else:
-            node = None
-        if node is None or isinstance(node.get(parts[-1]), dict):
-            target[key] = value
-        else:
-            node[parts[-1]] = value
-    return target
-
-
-def _probe_tcp(host: str, port: int, timeout_s: float) -> None:
-    """Fail fast when nothing listens: Aim's own client waits up to 10 s per attempt."""
-    try:
-        with socket.create_connection((host, port), timeout=timeout_s):
-            pass
-    except OSError as e:
-        raise ConnectionError(f"Aim server {host}:{port} is unreachable: {e}") from e
 
 
 class AimBackend(TrackerBackend):
@@ -274,7 +211,7 @@ class AimBackend(TrackerBackend):
 
         if self.is_remote:
             address = urlsplit(self.repo_uri)
-            _probe_tcp(address.hostname or "", address.port or 53800, self.connect_timeout_s)
+            probe_tcp(address.hostname or "", address.port or 53800, self.connect_timeout_s)
             # A fresh client each time: a pooled one may still hold a dead server's connection.
             return Repo(self.repo_uri)
         return Repo.from_path(self.repo_uri, init=not Repo.exists(self.repo_uri))
@@ -407,7 +344,7 @@ class AimBackend(TrackerBackend):
         self._run = self._track = None
         client = getattr(self._repo, "_client", None)
         if client is not None:
-            _discard_queued_writes(client.get_queue())
+            discard_queued_writes(client.get_queue())
         if run is not None:
             try:
                 run.close()
@@ -427,7 +364,7 @@ class AimBackend(TrackerBackend):
         repo, self._repo = self._repo, None
         client = getattr(repo, "_client", None)
         if client is not None:
-            _release_remote_resources(client)
+            release_remote_resources(client)
             try:
                 repo.close()
             except Exception as e:
@@ -459,33 +396,3 @@ def _close_at_exit(backend: AimBackend) -> None:
 
     atexit.register(hook)
     backend._exit_hook = True
-
-
-def _release_remote_resources(client: Any) -> None:
-    """Run, now, the finalizers of every Aim object that holds a server resource of ``client``."""
-    from aim.ext.cleanup import AutoClean
-
-    for _, finalizer in list(AutoClean._finalizers.values()):
-        state = finalizer.peek()
-        owner = getattr(state[1], "__self__", None) if state else None
-        if getattr(owner, "rpc_client", None) is client:
-            try:
-                finalizer()
-            except Exception as e:
-                logger.debug("Aim: ignoring error while releasing a remote resource: %s", e)
-
-
-def _discard_queued_writes(request_queue: Any) -> None:
-    """Stop an Aim client's write queue and forget its backlog (``aim.ext.transport.request_queue``)."""
-    pending = getattr(request_queue, "_queue", None)
-    if pending is None:
-        return
-    request_queue._shutdown = True  # register_task becomes a no-op, the worker stops
-    worker = getattr(request_queue, "_thread", None)
-    if worker is not None and pending.unfinished_tasks:
-        worker.join(timeout=1.0)  # it puts a failed task back before it sees the shutdown
-    with pending.mutex:
-        pending.queue.clear()
-        pending.unfinished_tasks = 0
-        pending.all_tasks_done.notify_all()
-        request_queue.current_memory_usage = 0
