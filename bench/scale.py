@@ -3,14 +3,15 @@
     python bench/scale.py [--sizes 1000,10000] [--runs 3] [--keep DIR]
 
 For each size N it generates a volume (under a temporary directory on this machine's disk) with N
-runs (half local, half Slurm; 1 % running, the rest finished; one in ten with a tracking journal
+runs (half local, half Slurm; 1 % running, the rest finished; each run.json the size and shape of a
+real VLA run's, about 6 KB, and 20 training and 4 validation reports; one in ten with a tracking journal
 of 50 events, half of them undelivered), N/10 registered datasets each with a published snapshot
 of 3 files, and 5 N checkpoint files (4 KiB each) under checkpoints/<project>/. Then it times, as
 the median of --runs:
 
-- one exporter scrape: cold (the exporter's first: the volume, runs and trackers sources read in
-  the scrape), within the sources' ttl, and after it (the scrape answers with the last figures and
-  the sources refresh in the background); and the time of each source's own refresh;
+- the exporter: its start-up (the volume, runs and trackers sources read side by side before it
+  listens), its first scrape after that, and a scrape after the sources' ttl (it answers with the
+  last figures and the sources refresh in the background); and the time of each source's own read;
 - ``det-lab runs list`` (the first listing, and one after a listing with nothing changed: it keeps
   what it read per user and re-reads only runs whose files changed), ``det-lab data list`` and
   ``det-lab tracking status``, each the installed console script as a user runs it (its
@@ -41,6 +42,59 @@ DET_LAB = Path(sys.executable).with_name("det-lab")
 PROJECTS = ("vla", "isaac", "3dgs")
 
 
+def run_state(i: int, kind: str, name: str, project: str, slurm: bool) -> dict:
+    """A run.json the size and shape of a finished VLA run's (about 6 KB: its config as run,
+    hyperparameters, checkpoints and lineage), every value its own."""
+    hparams = {"global_batch_size": 8 + i % 5, "lr": 0.001 * (1 + i % 9), "grad_clip": 1.0, "horizon": 8,
+               "model": {"d_model": 64, "n_heads": 4, "n_layers": 2 + i % 3, "patch_size": 8, "vocab_size": 512,
+                         "image_encoder": "cnn", "dropout": 0.0, "ff_mult": 2, "max_text_tokens": 8},
+               "num_workers": 0, "split_seed": i, "torch_threads": 1, "val_episodes": 2, "warmup_batches": 50,
+               "weight_decay": 0.0001, "bf16": False, "resize": None}
+    config = {"name": name, "entrypoint": "python3 -m determined.launch.torch_distributed python3 train.py",
+              "hyperparameters": hparams, "searcher": {"name": "single", "metric": "val_action_l1",
+                                                       "smaller_is_better": True},
+              "checkpoint_storage": {"type": "shared_fs", "storage_path": f"checkpoints/{project}"},
+              "data": {"det_lab": {"dataset": f"ds-{i % 1000:05d}", "project": project,
+                                   "max_length": {"batches": 100}, "reporting_batches": 5}},
+              "min_validation_period": {"batches": 10}, "min_checkpoint_period": {"batches": 20},
+              "max_restarts": 0, "resources": {"slots_per_trial": 1}}
+    commit = f"{i:040x}"
+    state = {"kind": kind, "name": name, "run_key": f"{kind}-{name}", "template": f"tmpl-{i % 7}",
+             "config": f"/home/user{i % 12}/configs/{name}.yaml", "cwd": f"/srv/det-lab/experiment_templates/{project}",
+             "command": ["/srv/det-lab/.venv/bin/python", "train.py"], "exp_conf": config, "hparams": hparams,
+             "max_length": 100, "max_length_unit": "batches", "seed": i,
+             "checkpoints": [{"uuid": f"{i:08x}-0000-4000-8000-{s:012x}", "step": s} for s in (20, 40, 60, 80, 100)],
+             "latest_checkpoint": f"{i:08x}-0000-4000-8000-{100:012x}", "latest_checkpoint_step": 100,
+             "created": "20261201-120000",
+             "lineage": {"det_lab_version": "0.1.0", "determined_version": "0.38.1", "host": f"gpu-{i % 4}",
+                         "python": "3.11.7", "code_commit": commit, "run_key": f"{kind}-{name}", "scheduler": kind,
+                         "template": f"tmpl-{i % 7}", "seed": i, "config": config, "hyperparameters": hparams,
+                         "code": {"repo": "/srv/git/lab.git", "root": "/srv/det-lab", "commit": commit,
+                                  "subdir": f"experiment_templates/{project}", "template_tree": commit, "dirty": False},
+                         "environment": {"hash": f"{i % 50:020x}", "python": "3.11.7", "packages": 257},
+                         "dataset": {"project": project, "repo": f"/srv/git/ds-{i % 1000:05d}.git", "rev": "main",
+                                     "commit": commit, "path": "data", "md5": f"{i:032x}.dir", "size": 110522,
+                                     "nfiles": 485}},
+             "trial_status": "FINISHED", "status": "finished", "exit_code": 0}
+    if slurm:
+        state["slurm"] = {"job_id": str(1000 + i), "partition": "gpu", "nodes": 1, "gpus_per_node": 1,
+                          "attempts": [{"node": f"gpu-{i % 4}", "job_id": str(1000 + i), "restart": 0,
+                                        "started": "2026-12-01T12:00:00"}]}
+    return state
+
+
+def metrics_lines(i: int) -> str:
+    """20 training reports and 4 validations, as det_lab's record appends them."""
+    lines = []
+    for step in range(5, 101, 5):
+        lines.append({"group": "training", "step": step, "metrics": {
+            "loss": 1.0 / (step + i), "action_l1": 0.5 / (step + i), "lr": 0.001, "batches": float(step), "epochs": 0.0}})
+        if step % 25 == 0:
+            lines.append({"group": "validation", "step": step, "metrics": {
+                "val_loss": 0.9 / (step + i), "val_action_l1": 0.4 / (step + i), "batches": float(step), "epochs": 0.0}})
+    return "".join(json.dumps(line) + "\n" for line in lines)
+
+
 def generate(root: Path, n_runs: int) -> Path:
     """A lab config and an initialised volume with ``n_runs`` runs (see the module docstring)."""
     from det_lab.settings import load_settings
@@ -62,15 +116,12 @@ def generate(root: Path, n_runs: int) -> Path:
         d = data / "outputs" / project / sub / name
         d.mkdir(parents=True)
         running = i % 100 == 0 and not slurm
-        state = {"kind": kind, "name": name, "run_key": f"{kind}-{name}", "template": f"tmpl-{i % 7}",
-                 "max_length": 100, "checkpoints": [], "latest_checkpoint": None, "hparams": {"lr": 0.001}}
-        if not running:
-            state["status"] = "finished"
-        if slurm:
-            state["slurm"] = {"job_id": str(1000 + i), "attempts": [{"node": "n1", "job_id": str(1000 + i)}]}
-        (d / "run.json").write_text(json.dumps(state))
-        (d / "metrics.jsonl").write_text("".join(
-            json.dumps({"group": "training", "step": s, "metrics": {"loss": 1.0 / s}}) + "\n" for s in range(1, 21)))
+        state = run_state(i, kind, name, project, slurm)
+        if running:
+            for key in ("status", "trial_status", "exit_code"):
+                del state[key]
+        (d / "run.json").write_text(json.dumps(state, indent=2) + "\n")  # as det_lab's record writes it
+        (d / "metrics.jsonl").write_text(metrics_lines(i))
         if running:
             (d / "trainer.lock").write_text("")
         if i % 10 == 0:
@@ -101,16 +152,21 @@ def generate(root: Path, n_runs: int) -> Path:
     return config
 
 
-def time_scrape(config: Path, warm: bool, expired: bool = False) -> float:
+def time_exporter(config: Path, measure: str) -> float:
+    """Seconds of one exporter step over the volume, runs and trackers sources: ``start-up`` (every
+    source read, side by side, before it listens), ``first`` (the first scrape after that), ``ttl``
+    (a scrape with every answer past its ttl: it answers and refreshes in the background)."""
     from prometheus_client import generate_latest
 
     from det_lab.monitoring.exporter import build_sources, registry_for
     from det_lab.settings import load_settings
 
     registry, collector = registry_for(build_sources(load_settings(config, env={}), ["volume", "runs", "trackers"]))
-    if warm:
-        generate_latest(registry)
-    if expired:  # every answer past its ttl: the scrape answers with it and refreshes in the background
+    start = time.perf_counter()
+    assert collector.prime() == []
+    if measure == "start-up":
+        return time.perf_counter() - start
+    if measure == "ttl":
         for source in collector.sources:
             source.ttl = 1e-9
     start = time.perf_counter()
@@ -121,11 +177,15 @@ def time_scrape(config: Path, warm: bool, expired: bool = False) -> float:
     return seconds
 
 
-def time_source(config: Path, name: str) -> float:
+def time_source(config: Path, name: str, again: bool = False) -> float:
+    """Seconds of one read of the source ``name``: its first, or (``again``) the next one, with
+    nothing changed on the volume (the runs source re-reads only run.json files that changed)."""
     from det_lab.monitoring.exporter import build_sources
     from det_lab.settings import load_settings
 
     (source,) = build_sources(load_settings(config, env={}), [name])
+    if again:
+        list(source.collect())
     start = time.perf_counter()
     list(source.collect())
     return time.perf_counter() - start
@@ -151,12 +211,13 @@ def time_cli(config: Path, *args: str, listed_before: bool | None = None) -> flo
 
 MEASURES = {
     "det-lab --help (start-up alone, for scale)": lambda c: time_cli(c, "--help"),
-    "exporter scrape, cold (volume+runs+trackers)": lambda c: time_scrape(c, warm=False),
-    "exporter scrape, within the ttl": lambda c: time_scrape(c, warm=True),
-    "exporter scrape, ttl passed (refresh in the background)": lambda c: time_scrape(c, warm=True, expired=True),
-    "volume source refresh": lambda c: time_source(c, "volume"),
-    "runs source refresh": lambda c: time_source(c, "runs"),
-    "trackers source refresh": lambda c: time_source(c, "trackers"),
+    "exporter start-up: volume, runs, trackers read before it listens": lambda c: time_exporter(c, "start-up"),
+    "exporter scrape, the first after start-up": lambda c: time_exporter(c, "first"),
+    "exporter scrape, ttl passed (refresh in the background)": lambda c: time_exporter(c, "ttl"),
+    "volume source, a read": lambda c: time_source(c, "volume"),
+    "runs source, first read": lambda c: time_source(c, "runs"),
+    "runs source, next read (nothing changed)": lambda c: time_source(c, "runs", again=True),
+    "trackers source, a read": lambda c: time_source(c, "trackers"),
     "det-lab runs list, first listing (every run read)": lambda c: time_cli(c, "runs", "list", listed_before=False),
     "det-lab runs list, listed before (nothing changed)": lambda c: time_cli(c, "runs", "list", listed_before=True),
     "det-lab data list": lambda c: time_cli(c, "data", "list"),

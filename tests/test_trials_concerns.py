@@ -316,6 +316,7 @@ def test_progress_reads_lines_as_written_and_any_other_json_the_same(tmp_path):
 
 
 def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkeypatch):
+    from det_lab.trials import listing
     from det_lab.trials.listing import ListingCache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
@@ -333,9 +334,9 @@ def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkey
 
     runs[0].update(status="finished")  # run.json replaced
     runs[1].append_metrics("validation", 2, {"val_loss": 0.5})  # metrics grown
-    reads = []
-    for run in runs:  # count who reads its run.json
-        monkeypatch.setattr(run, "state", lambda run=run, read=run.state: reads.append(run.dir.name) or read())
+    reads = []  # whose run.json is read
+    monkeypatch.setattr(listing, "shown_state", lambda data, path, parse=listing.shown_state:
+                        reads.append(Path(path).parent.name) or parse(data, path))
     second = ListingCache(tmp_path)
     listed = [second.read(r) for r in runs]
     assert reads == ["r0", "r1"]  # r2 came from the cache

@@ -1,13 +1,13 @@
 """Listing many runs: what ``det-lab runs list`` shows of each, re-read only where its files changed.
 
-A listing reads every run's ``run.json`` and ``metrics.jsonl``: two file reads per run, over a
-second for 10,000 runs on a local disk, more on NFS or for long runs' metrics. The figures of the
-last listing are kept per user on local disk (``$XDG_CACHE_HOME/det-lab/runs-<volume>.json``),
-each under its two files' inode, size and modification time: a run whose files did not change
-costs two ``stat`` calls. ``run.json`` is replaced whole (a new inode at each write) and
-``metrics.jsonl`` only grows, so an unchanged key means unchanged content; the files are stat'ed
-before they are read, so a change while reading is picked up by the next listing. A cache that
-cannot be read or written is ignored.
+A listing reads every run's ``run.json`` and ``metrics.jsonl``: two file reads per run (each
+stat'ed through its open descriptor before it is read, so the figures and the key they are kept
+under belong together). The figures of the last listing are kept per user on local disk
+(``$XDG_CACHE_HOME/det-lab/runs-<volume>.json``), each under its two files' inode, size and
+modification time: a run whose files did not change costs two ``stat`` calls. ``run.json`` is
+replaced whole (a new inode at each write) and ``metrics.jsonl`` only grows, so an unchanged key
+means unchanged content; a file that grows while it is read keeps the smaller size as its key, so
+the next listing reads it again. A cache that cannot be read or written is ignored.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from det_lab.trials.record import METRICS_FILE, RUN_FILE, LocalRunRecord
+from det_lab.trials.record import METRICS_FILE, RUN_FILE, LocalRunRecord, parse_progress, parse_run_file
 from det_lab.volume import atomic_write_text
 
 #: the run.json keys a listing shows (the rest, lineage included, stays in the file)
@@ -38,12 +39,35 @@ class Listed:
     changed: int
 
 
-def _signature(path: str) -> list[int] | None:
+def _signature(st: os.stat_result) -> list[int]:
+    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_uid]
+
+
+def stat_signature(path: str) -> list[int] | None:
+    """The file's inode, size, modification time (ns) and owner's uid; None when there is none."""
     try:
-        st = os.stat(path)
+        return _signature(os.stat(path))
     except FileNotFoundError:
         return None
-    return [st.st_ino, st.st_size, st.st_mtime_ns, st.st_uid]
+
+
+def read_signed(path: str) -> tuple[bytes, list[int]] | None:
+    """The file's bytes and the signature of what was read (stat'ed first); None when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)
+        data = os.read(fd, st.st_size + 1)
+        if len(data) != st.st_size:  # grew since the stat, or a short read: read to the end
+            chunks = [data]
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+            data = b"".join(chunks)
+        return data, _signature(st)
+    finally:
+        os.close(fd)
 
 
 def _shown(state: dict[str, Any]) -> dict[str, Any]:
@@ -53,6 +77,29 @@ def _shown(state: dict[str, Any]) -> dict[str, Any]:
         out["slurm"] = {"job_id": slurm.get("job_id"),
                         "attempts": [{"node": a.get("node")} for a in slurm.get("attempts") or []]}
     return out
+
+
+#: a top-level key shown by a listing, in a run.json as det_lab writes it (json.dumps, indent=2:
+#: only top-level keys start a line with two spaces and a quote; JSON strings hold no newline)
+_TOP_SCALAR = re.compile(rb'\n  ("(?:' + b"|".join(k.encode() for k in _SHOWN) + rb')": [^\n]*?),?(?=\n)')
+_TOP_SLURM = b'\n  "slurm": {'
+
+
+def shown_state(data: bytes, path: str) -> dict[str, Any]:
+    """What a listing shows of the run.json ``data`` (at ``path``, for errors): its top-level keys
+    found without parsing the rest (lineage and config are most of a run.json), for a whole file
+    as det_lab writes it; any other file is parsed whole (a damaged one: ``ValueError``)."""
+    if data.startswith(b'{\n  "') and data.endswith((b"\n}", b"\n}\n")):  # whole: not cut short
+        try:
+            found = json.loads(b"{" + b",".join(_TOP_SCALAR.findall(data)) + b"}")
+            at = data.find(_TOP_SLURM)
+            if at >= 0:  # its object ends at the first line that closes at the top level's depth
+                found["slurm"] = json.loads(data[at + len(_TOP_SLURM) - 1:data.index(b"\n  }", at) + 4])
+            if "name" in found:
+                return _shown(found)
+        except (ValueError, AttributeError, TypeError):
+            pass  # not as det_lab writes it after all: read it whole
+    return _shown(parse_run_file(data, path))
 
 
 class ListingCache:
@@ -69,18 +116,29 @@ class ListingCache:
             self.entries = {}
         self.seen: dict[str, Any] = {}
 
-    def read(self, run: LocalRunRecord) -> Listed:
-        """``run`` as a listing shows it, from the cache when neither of its files changed."""
+    def read(self, run: LocalRunRecord) -> Listed | None:
+        """``run`` as a listing shows it, from the cache when neither of its files changed; None
+        when its run.json is gone (a run deleted since it was found). A damaged run.json is a
+        one-line ``ValueError`` naming it."""
         directory = str(run.dir)
-        key = [_signature(os.path.join(directory, RUN_FILE)), _signature(os.path.join(directory, METRICS_FILE))]
+        run_path, metrics_path = os.path.join(directory, RUN_FILE), os.path.join(directory, METRICS_FILE)
         hit = self.entries.get(directory)
-        if isinstance(hit, dict) and hit.get("key") == key and key[0] is not None:
-            entry = hit
-        else:
-            step, validation = run.progress()
-            entry = {"key": key, "state": _shown(run.state()), "step": step, "validation": validation}
+        if isinstance(hit, dict):  # a listing before this one read it: two stats tell whether it changed
+            key = [stat_signature(run_path), stat_signature(metrics_path)]
+            if hit.get("key") == key and key[0] is not None and isinstance(hit.get("state"), dict):
+                return self._listed(directory, hit)
+        state = read_signed(run_path)
+        if state is None:
+            return None
+        metrics = read_signed(metrics_path)
+        step, validation = parse_progress(metrics[0]) if metrics else (0, {})
+        entry = {"key": [state[1], metrics[1] if metrics else None],
+                 "state": shown_state(state[0], run_path), "step": step, "validation": validation}
+        return self._listed(directory, entry)
+
+    def _listed(self, directory: str, entry: dict[str, Any]) -> Listed:
         self.seen[directory] = entry
-        uid, changed = (key[0][3], key[0][2]) if key[0] else (-1, 0)
+        _ino, _size, changed, uid = entry["key"][0]
         return Listed(entry["state"], entry["step"], entry["validation"], uid, changed)
 
     def save(self, complete: bool) -> None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,14 +43,23 @@ WORK_DIR = "work"
 REPRODUCES_KEY = "reproduces"
 
 
-#: how append_metrics starts a training line
-_TRAINING_PREFIX = b'{"group": "training", "step": '
+#: how append_metrics starts its lines (json.dumps of {"group", "step", "metrics"}, in that order)
+_LINE_HEAD = b'{"group": '
+_TRAINING_HEAD = b'{"group": "training", "step": '
+_VALIDATION_HEAD = b'{"group": "validation", "step": '
+_TRAINING_STEP = re.compile(rb'\n\{"group": "training", "step": (\d+), ')
 
 
 def read_run_file(path: Path) -> dict[str, Any]:
     """A run.json as a dict; a damaged one is a one-line ``ValueError`` naming it and the fix."""
+    with open(path, "rb") as f:
+        return parse_run_file(f.read(), path)
+
+
+def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
+    """The bytes of the run.json at ``path`` as a dict (see :func:`read_run_file`)."""
     try:
-        state = json.loads(Path(path).read_text())
+        state = json.loads(data)
         problem = None if isinstance(state, dict) else "not a JSON object"
     except ValueError as exc:  # also bytes that are not UTF-8
         problem = str(exc)
@@ -57,6 +67,52 @@ def read_run_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
                          "restore its run.json from a backup or start a new run")
     return state
+
+
+def parse_progress(data: bytes) -> tuple[int, dict[str, float]]:
+    """The highest training step and the last validation metrics in a ``metrics.jsonl``'s bytes
+    (a last line without its newline is being written: left for the next read)."""
+    complete = data[:data.rfind(b"\n") + 1]
+    fast = _progress_as_written(complete)
+    if fast is not None:
+        return fast
+    step, last = 0, None
+    for line in complete.splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(m, dict):
+            continue
+        if m.get("group") == "training" and isinstance(m.get("step"), int):
+            step = max(step, m["step"])
+        elif m.get("group") == "validation" and isinstance(m.get("metrics"), dict):
+            last = m
+    return step, (last["metrics"] if last else {})
+
+
+def _progress_as_written(complete: bytes) -> tuple[int, dict[str, float]] | None:
+    """:func:`parse_progress` by counting, in C, for a file whose every line is one whole training
+    or validation line as append_metrics writes it (runs list reads every run's metrics); None
+    for any other file (a torn line followed by the next append has two heads on one line)."""
+    lines = complete.count(b"\n")
+    framed = b"\n" + complete  # every line, the first included, follows a newline
+    steps = _TRAINING_STEP.findall(framed)
+    # every line starts with a training or validation head, holds no second one and ends in "}}"
+    if not lines or complete.count(_LINE_HEAD) != lines or complete.count(b"}}\n") != lines or \
+            len(steps) + framed.count(b"\n" + _VALIDATION_HEAD) != lines:
+        return None
+    step = max(map(int, steps), default=0)
+    at = complete.rfind(_VALIDATION_HEAD)
+    if at < 0:
+        return step, {}
+    if at > 0 and complete[at - 1:at] != b"\n":
+        return None
+    try:
+        metrics = json.loads(complete[at:complete.index(b"\n", at)])["metrics"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return (step, metrics) if isinstance(metrics, dict) else None
 
 
 class RunRecord:
@@ -67,7 +123,7 @@ class RunRecord:
     keeps_progress: ClassVar[bool] = True
 
     def __init__(self, directory: Path) -> None:
-        self.dir = Path(directory)
+        self.dir = directory if isinstance(directory, Path) else Path(directory)
         self._high_water: dict[tuple[str, str], int] | None = None  # (group, key) -> last step written
 
     def __repr__(self) -> str:
@@ -143,27 +199,9 @@ class RunRecord:
     def progress(self) -> tuple[int, dict[str, float]]:
         """Latest training step reported, and the latest validation metrics."""
         try:
-            data = self.metrics_file.read_bytes()
+            return parse_progress(self.metrics_file.read_bytes())
         except FileNotFoundError:
             return 0, {}
-        step, last_val = 0, None
-        for line in data[:data.rfind(b"\n") + 1].splitlines():
-            # most lines are training lines as append_metrics writes them: their step is read
-            # without parsing the line (runs list reads every run's metrics)
-            if line.startswith(_TRAINING_PREFIX) and line.count(b'{"group"') == 1 and line.endswith(b"}}"):
-                head = line[len(_TRAINING_PREFIX):line.find(b",", len(_TRAINING_PREFIX))]
-                if head.isdigit():
-                    step = max(step, int(head))
-                    continue
-            try:
-                m = json.loads(line)
-            except ValueError:
-                continue
-            if m["group"] == "training":
-                step = max(step, m["step"])
-            elif m["group"] == "validation":
-                last_val = m
-        return step, (last_val["metrics"] if last_val else {})
 
     def tracking_summary(self) -> dict[str, Any] | None:
         try:
@@ -298,9 +336,17 @@ def run_dirs(layout: VolumeLayout, project: str) -> dict[Path, type[LocalRunReco
     glob per kind's runs directory, no run file read (where a run is says its kind)."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
-    return {p.parent: cls for cls in set(_KINDS.values())
-            for p in cls.runs_root(layout, project).glob(f"*/{RUN_FILE}")
-            if not p.parent.name.startswith(".")}  # .<name>.tmp: a run being created
+    out: dict[Path, type[LocalRunRecord]] = {}
+    for cls in set(_KINDS.values()):
+        root = cls.runs_root(layout, project)
+        try:
+            with os.scandir(root) as entries:
+                names = [e.name for e in entries if not e.name.startswith(".")]  # .<name>.tmp: being created
+        except OSError:  # absent, or a project this user may not read (as glob did)
+            continue
+        base = str(root)
+        out.update((root / name, cls) for name in names if os.path.exists(os.path.join(base, name, RUN_FILE)))
+    return out
 
 
 def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
