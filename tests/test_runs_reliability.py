@@ -302,6 +302,49 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
         assert not (run_dir / LOCK_NAME).exists()
 
 
+def test_a_local_run_shows_running_while_it_trains_and_died_when_its_processes_vanish(runs_lab):
+    """runs list and the exporter say "running" while a trial trains (a resumed run too, not the
+    "stopped" of its last end), and "died" once its trial and det-lab run vanished without recording
+    how (both frozen, then killed -9: a machine that lost power); --resume brings it to the end."""
+    from det_lab.monitoring.runs import RunsSource
+
+    lab = runs_lab
+    config = write_config(lab, TINY / "const.yaml", "tiny-died", lambda c: (
+        c["hyperparameters"].update(sleep_per_batch=0.04), c.update(min_checkpoint_period={"batches": 20}),
+        c["data"]["det_lab"].update(max_length={"batches": 200})))
+    name, run_dir = "tiny-died", lab.root / "outputs" / "vla" / "local-runs" / "tiny-died"
+
+    def listed() -> str:
+        rows = [json.loads(x) for x in lab.cli("runs", "list", "--json", check=True).stdout.splitlines()]
+        return next(r["status"] for r in rows if r["name"] == name)
+
+    def exported() -> set[str]:
+        (runs,) = [m for m in RunsSource(load_settings(lab.config, env={})).collect() if m.name == "det_lab_runs"]
+        return {s.labels["status"] for s in runs.samples if s.labels["template"] == "tiny" and s.value}
+
+    proc = start(lab, str(TINY), "--config", str(config), "--run", name)
+    at_first_checkpoint({name: (proc, run_dir)}, lambda _: None)
+    assert listed() == "running"
+    trial = trial_of(proc)
+    for pid in (proc.pid, trial):  # frozen first, so neither records anything as it dies
+        os.kill(pid, signal.SIGSTOP)
+    for pid in (proc.pid, trial):
+        os.kill(pid, signal.SIGKILL)
+    proc.wait()
+    wait_for(lambda: not alive(trial), None, 30, "the trial to die")
+    assert state(run_dir)["status"] == "running" and (run_dir / LOCK_NAME).exists()  # what it left
+    assert listed() == "died"
+    assert "died" in exported() and "running" not in exported()
+
+    resumed = start(lab, str(TINY), "--resume", "--run", name)
+    wait_for(lambda: trained_to(run_dir) > state(run_dir)["latest_checkpoint_step"] + 10 and listed() == "running",
+             resumed, 120, "the resumed run to train on and show as running")
+    assert "running" in exported()
+    out = finish(resumed, 180)
+    assert resumed.returncode == 0 and "stale" in out, out
+    assert listed() == "finished" and state(run_dir)["latest_checkpoint_step"] == 200
+
+
 def test_runs_cancel_stops_a_local_run_at_a_checkpoint(runs_lab):
     """`det-lab runs cancel` works on a local run as on a Slurm one: its trial checkpoints and stops."""
     lab, total = runs_lab, 400

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, err_console, fail, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
@@ -23,12 +23,12 @@ ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
 
 def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True) -> list[LocalRunRecord]:
     """Every run of ``project`` (default: all projects), by the time of its run.json unless not ``ordered``."""
-    from det_lab.trials.record import iter_records
+    from det_lab.trials.record import run_dirs
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
-    runs = [r for p in projects for r in iter_records(layout, p)]
+    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p).items()]
     return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
 
 
@@ -69,14 +69,19 @@ _ASK: Any = object()
 
 
 def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str:
-    """run.json's status, corrected by Slurm for a job that ended without the driver saying so
-    (``st`` and ``job``: the run's state and :func:`_slurm_job`, when the caller has them)."""
+    """run.json's status, corrected by Slurm for a job that ended without the driver saying so,
+    and by the trainer lock for a local run whose trainer died (``st`` and ``job``: the run's state
+    and :func:`_slurm_job`, when the caller has them)."""
     from det_lab.slurm import submit
 
     st = run.state() if st is None else st
     status = st.get("status") or "created"
     job = _slurm_job(run, st) if job is _ASK else job
     if job is False:
+        if run.kind == "local":  # "running" only while its trainer lives
+            from det_lab.trials.run_guard import training_status
+
+            return training_status(st, run.dir)
         return status
     if job is None or job.get("JobState") in submit.FINAL_STATES:
         return (job or {}).get("JobState", "gone").lower()
@@ -123,13 +128,19 @@ def list_runs(
             settings.project(project)
         except ValueError as exc:
             fail(str(exc))
-    from det_lab.trials.listing import ListingCache
+    from det_lab.trials.listing import Listed, ListingCache
 
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
     rows: list = []
     for run in all_runs(settings, project, ordered=False):  # ordered below, by what the cache stat'ed
-        listed = cache.read(run)  # run.json and progress, re-read only when the files changed
+        try:
+            listed = cache.read(run)  # run.json and progress, re-read only when the files changed
+        except ValueError as exc:  # one damaged run.json: said, and listed as such, not the end of the listing
+            err_console.print(f"warning: {exc}", style="yellow", highlight=False, markup=False)
+            listed = Listed({"name": run.dir.name, "status": "damaged"}, 0, {}, run.run_file.stat().st_uid, 0)
+        if listed is None:  # deleted since it was found
+            continue
         st = listed.state
         owner = st.get("user") or _user_name(listed.uid, owners)
         if user and owner != user:

@@ -23,14 +23,19 @@ DEFAULT_LIFETIME_S = 60
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` lives on this host (another user's process counts as alive)."""
+    """Whether process ``pid`` lives on this host (another user's process counts as alive; a
+    zombie does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:  # a zombie (dead, not yet reaped: its parent died too and nobody reaps) holds nothing
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] != b"Z"
+    except (OSError, IndexError):
+        return True  # no /proc here: what kill said
 
 
 class HostLock(Lock):
@@ -111,10 +116,6 @@ class VolumeLock:
             return
         if host != self._lock.hostname or pid == os.getpid():
             return
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not pid_alive(pid):
             # the holder was killed on this host: no need to wait for the lifetime to run out
             self._lock._break()  # flufl's own breaking routine, as used for expired locks
-        except PermissionError:
-            pass  # alive, owned by another user

@@ -77,6 +77,19 @@ def trainer(run_dir: Path) -> Trainer | None:
     return Trainer(host, pid, None, here)
 
 
+def training_status(state: dict, run_dir: Path) -> str:
+    """A local run's status: run.json's, except that "running" (and no status yet, as runs made
+    before det_lab recorded "running" show) holds only while a live trainer holds the lock;
+    "died" when the trainer and its ``det-lab run`` both ended without recording how."""
+    status = str(state.get("status") or "created")
+    if status not in ("running", "created"):
+        return status
+    holder = trainer(run_dir)  # one small file read, only for runs that say they train
+    if holder is not None and holder.stale is None:
+        return "running"
+    return "died" if status == "running" else "created"
+
+
 def break_stale(run_dir: Path, run_name: str) -> str | None:
     """Refuse a run a live trainer holds (:class:`RunBusy`); break a stale lock, returning a warning."""
     holder = trainer(run_dir)

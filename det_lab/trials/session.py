@@ -97,6 +97,8 @@ class LabSession:
             except RunBusy as exc:  # a second --resume that passed det-lab run's check at the same time
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 raise SystemExit(BUSY_EXIT_CODE) from None
+            # what runs list and the exporter show while it trains (a resumed run said "stopped")
+            self.record.update(status="running")
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
