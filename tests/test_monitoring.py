@@ -646,6 +646,48 @@ def test_a_scrape_never_waits_for_a_slow_refresh():
     assert {l["job_id"] for l, _ in samples(generate_latest(registry).decode(), "det_lab_test_job")} == {"8"}
 
 
+def test_sources_are_read_before_the_first_scrape_and_one_still_reading_is_an_error():
+    """The exporter reads its sources side by side before it listens, so its first scrape answers
+    from memory; a source whose first read outlasts the wait is its scrape's error (no series),
+    never a source that answered with nothing, and its series come with its answer."""
+    import threading
+
+    from prometheus_client import generate_latest
+    from prometheus_client.core import GaugeMetricFamily
+
+    from det_lab.monitoring.exporter import registry_for
+
+    class Slow:
+        ttl = 60.0
+
+        def __init__(self, name: str, seconds: float) -> None:
+            self.name, self.seconds, self.reads, self.release = name, seconds, 0, threading.Event()
+
+        def collect(self):
+            self.reads += 1
+            self.release.wait(self.seconds)
+            fam = GaugeMetricFamily(f"det_lab_test_{self.name}", "", labels=["source"])
+            fam.add_metric([self.name], self.reads)
+            return [fam]
+
+    volume, runs, squeue = Slow("volume", 0.6), Slow("runs", 0.6), Slow("squeue", 30)
+    registry, collector = registry_for([volume, runs, squeue])
+    start = time.perf_counter()
+    assert collector.prime(timeout=1.0) == ["squeue"]
+    assert time.perf_counter() - start < 1.15  # side by side: not 0.6 + 0.6 + 1.0 s
+    start = time.perf_counter()
+    text = generate_latest(registry).decode()
+    assert time.perf_counter() - start < 0.3  # answered from memory
+    assert (volume.reads, runs.reads, squeue.reads) == (1, 1, 1)
+    assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"volume": 0, "runs": 0, "squeue": 1}
+    assert samples(text, "det_lab_test_volume") == [({"source": "volume"}, 1)] and not samples(text, "det_lab_test_squeue")
+    squeue.release.set()
+    assert collector.wait_refreshes(10)
+    text = generate_latest(registry).decode()
+    assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"volume": 0, "runs": 0, "squeue": 0}
+    assert samples(text, "det_lab_test_squeue") == [({"source": "squeue"}, 1)]
+
+
 def test_config_targets_come_from_the_slurm_and_cluster_configs(tmp_path):
     """Without --machine: the Slurm nodes and Determined agents of the lab's configs; GPU machines get
     dcgm-exporter and a GPU exporter, every machine node_exporter; the master comes from cluster.yaml.

@@ -10,6 +10,9 @@ import typer
 
 from det_lab.cli.common import console, fail, state
 
+#: how long ``det-lab exporter`` waits for its sources' first reads before it listens
+PRIME_TIMEOUT_S = 30.0
+
 app = typer.Typer(help="Monitoring: Prometheus config, rules, dashboards; the master token; a report.",
                   no_args_is_help=True)
 
@@ -44,6 +47,16 @@ def exporter(
             console.print(f"source {name}: {why}", highlight=False)
         console.print(f"wrote {path}", highlight=False)
         return
+    import time
+
+    start = time.monotonic()  # every source read once before the first scrape: no scrape walks the volume
+    slow = collector.prime(timeout=PRIME_TIMEOUT_S)
+    console.print(f"read {', '.join(s.name for s in sources)} in {time.monotonic() - start:.1f} s", highlight=False)
+    for name in slow:
+        console.print(f"source {name}: still reading after {PRIME_TIMEOUT_S:.0f} s; it is a scrape error until it "
+                      "answers", highlight=False)
+    for name, why in collector.errors().items():
+        console.print(f"source {name}: {why}", highlight=False)
     try:
         server, _thread = serve(registry, port, address)
     except OSError as exc:

@@ -1,13 +1,16 @@
 """The exporter's collector: every scrape builds its metrics afresh from each source.
 
 A source is slow (``squeue``, a walk of the volume) or fast (NVML); each says how long its figures
-may be reused (``ttl``). A source is read in the scrape the first time; after that, a scrape that
-finds its answer older than ``ttl`` answers with it and starts a refresh in the background, so a
-scrape never waits for a walk of a large volume or a ``squeue`` that hangs (the answer it gives is
-at most ``ttl`` plus one refresh old). A ``ttl`` of 0 reads the source in every scrape. A source that fails exports no series of its own and sets
-``det_lab_scrape_error{source}`` to 1: a broken ``squeue`` must never read as an idle cluster. A
-label set that is gone from a source (a finished job) is gone from the next scrape, because
-nothing is kept between scrapes except each source's last whole answer, for its ``ttl``.
+may be reused (``ttl``). ``det-lab exporter`` reads every source once before it listens
+(:meth:`LabCollector.prime`, the sources side by side); after that, a scrape that finds an answer
+older than ``ttl`` answers with it and starts a refresh in the background, so a scrape never waits
+for a walk of a large volume or a ``squeue`` that hangs (the answer it gives is at most ``ttl``
+plus one refresh old). A source never read is read in the scrape; one whose first read is still
+under way is that scrape's error. A ``ttl`` of 0 reads the source in every scrape. A source that
+fails exports no series of its own and sets ``det_lab_scrape_error{source}`` to 1: a broken
+``squeue`` must never read as an idle cluster. A label set that is gone from a source (a finished
+job) is gone from the next scrape, because nothing is kept between scrapes except each source's
+last whole answer, for its ``ttl``.
 """
 
 from __future__ import annotations
@@ -99,11 +102,12 @@ class LabCollector(Collector):
     def _read(self, source: Source) -> _Cached:
         cached = self._cache[source.name]
         now = self._clock()
+        if cached.at == float("-inf") and cached.refreshing:  # its first answer is not there yet
+            return _Cached(now, [], "not read yet: its first read is still under way")
         if now - cached.at < source.ttl or cached.refreshing:
             return cached
         if cached.at == float("-inf") or source.ttl <= 0:
-            fresh = self._refresh(source)
-            return fresh
+            return self._refresh(source)
         cached.refreshing = True
         threading.Thread(target=self._refresh, args=(source,), name=f"refresh-{source.name}", daemon=True).start()
         return cached
@@ -141,6 +145,28 @@ class LabCollector(Collector):
         yield age
         for answer in answers.values():
             yield from answer.metrics
+
+    def prime(self, timeout: float = 60.0) -> list[str]:
+        """Read every source not read yet, side by side (a thread each), so that the first scrape
+        answers from memory; returns the names of those still reading after ``timeout`` seconds
+        (they go on in the background; until they answer, a scrape gives their scrape error)."""
+        with self._lock:
+            unread = [s for s in self.sources
+                      if self._cache[s.name].at == float("-inf") and not self._cache[s.name].refreshing]
+            for source in unread:
+                self._cache[source.name].refreshing = True
+        threads = [threading.Thread(target=self._refresh, args=(s,), name=f"prime-{s.name}", daemon=True)
+                   for s in unread]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + timeout
+        for thread in threads:
+            thread.join(max(deadline - time.monotonic(), 0.0))
+        return [s.name for s, t in zip(unread, threads) if t.is_alive()]
+
+    def errors(self) -> dict[str, str]:
+        """Each source whose last read failed, with why."""
+        return {name: cached.error for name, cached in self._cache.items() if cached.error}
 
     def wait_refreshes(self, timeout: float = 60.0) -> bool:
         """Wait for background refreshes under way; False if one is still running at ``timeout``."""

@@ -1,19 +1,24 @@
 """The runs source: det_lab runs on the volume by state, template and scheduler, and how long
 each running run has been silent.
 
-Reads each run's ``run.json`` once (no Slurm query per run: ``det-lab runs list`` corrects a
-Slurm run's status from Slurm, this does not; a job that died without its driver saying so
-shows as a running run whose last metric keeps ageing, which the silent-run alert names). A
-local run records no status while it trains; one whose trainer lock is there counts as running.
-The age of a run's last metric is the age of its ``metrics.jsonl`` (its ``run.json`` before the
-first report).
+Reads each run's ``run.json`` (no Slurm query per run: ``det-lab runs list`` corrects a Slurm
+run's status from Slurm, this does not; a job that died without its driver saying so shows as a
+running run whose last metric keeps ageing, which the silent-run alert names). A local run's
+"running" holds while a live trainer holds its lock, as in ``runs list``
+(:func:`det_lab.trials.run_guard.training_status`). The exporter keeps what it read of each
+run.json under the file's inode, size and time, so a refresh reads again only the runs that
+changed (one ``stat`` for each of the others). The age of a run's last metric is the age of its
+``metrics.jsonl`` (its ``run.json`` before the first report). A run's user is run.json's (a Slurm
+run's submitter), else the owner of its run.json, as ``runs list`` says.
 """
 
 from __future__ import annotations
 
+import os
 import pwd
 import time
 from collections import Counter
+from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -21,32 +26,22 @@ from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.trials import record as records
-from det_lab.trials.record import METRICS_FILE, RUN_FILE, read_run_file
-from det_lab.trials.run_guard import LOCK_NAME
+from det_lab.trials.listing import read_signed, shown_state, stat_signature
+from det_lab.trials.record import METRICS_FILE, RUN_FILE
+from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout
 
 LIVE = {"running"}
 
 
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
-    """``(kind, run.json)`` of every local-style run of ``project``, any registered kind, without
-    opening each record or sorting by age (:func:`det_lab.trials.record.run_dirs`)."""
-    for directory, cls in sorted(records.run_dirs(layout, project).items(), key=lambda item: (item[1].kind, item[0])):
-        yield cls.kind, directory / RUN_FILE
+    """``(kind, run directory)`` of every local-style run of ``project``, any registered kind, in
+    no order, without opening each record (:func:`det_lab.trials.record.run_dirs`)."""
+    for directory, cls in records.run_dirs(layout, project).items():
+        yield cls.kind, directory
 
 
-def run_status(state: dict, run_dir: Path) -> str:
-    status = state.get("status")
-    if status:
-        return str(status)
-    return "running" if (run_dir / LOCK_NAME).exists() else "created"
-
-
-def _owner(path: Path, cache: dict[int, str]) -> str:
-    try:
-        uid = path.stat().st_uid
-    except OSError:
-        return ""
+def _user(uid: int, cache: dict[int, str]) -> str:
     if uid not in cache:
         try:
             cache[uid] = pwd.getpwuid(uid).pw_name
@@ -55,37 +50,73 @@ def _owner(path: Path, cache: dict[int, str]) -> str:
     return cache[uid]
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What a refresh keeps of one run.json, under its signature."""
+
+    signature: list[int]
+    template: str
+    status: str  # run.json's; "damaged" when it cannot be read
+    user: str
+
+
 class RunsSource(VolumeReader):
     """Every run of every project of ``settings``."""
 
     name = "runs"
 
+    def __init__(self, settings, ttl: float = 15.0) -> None:
+        super().__init__(settings, ttl)
+        self._seen: dict[str, _Seen] = {}
+        self._users: dict[int, str] = {}
+
+    def _state(self, path: str) -> _Seen | None:
+        """The run.json at ``path``, read again only when it changed; None when it is gone."""
+        known = self._seen.get(path)
+        if known is not None and known.signature == stat_signature(path):
+            return known
+        read = read_signed(path)
+        if read is None:
+            return None
+        data, signature = read
+        try:
+            state = shown_state(data, path)
+            seen = _Seen(signature, str(state.get("template") or ""), str(state.get("status") or ""),
+                         str(state.get("user") or _user(signature[3], self._users)))
+        except ValueError:
+            seen = _Seen(signature, "", "damaged", _user(signature[3], self._users))
+        self._seen[path] = seen
+        return seen
+
     def collect(self) -> Iterable[Metric]:
         self.mounted_root()
         out = Families()
         counts: Counter[tuple[str, str, str, str]] = Counter()
-        owners: dict[int, str] = {}
         now = time.time()
+        listed: set[str] = set()
         out.gauge("run_last_metric_age_seconds", "seconds since each running run last reported a metric",
                   ["project", "run", "kind", "template", "user"])
         for project in sorted(self.settings.projects):
-            for kind, path in run_files(self.layout, project):
-                try:
-                    state = read_run_file(path)
-                except (OSError, ValueError):
-                    counts[(project, kind, "", "damaged")] += 1
+            for kind, directory in run_files(self.layout, project):
+                key = os.path.join(directory, RUN_FILE)
+                seen = self._state(key)
+                if seen is None:
                     continue
-                template = str(state.get("template") or "")
-                status = run_status(state, path.parent)
-                counts[(project, kind, template, status)] += 1
+                listed.add(key)
+                status = seen.status
+                if kind == "local" and status != "damaged":
+                    status = training_status({"status": status}, directory)
+                status = status or "created"
+                counts[(project, kind, seen.template, status)] += 1
                 if status in LIVE:
                     try:
-                        last = (path.parent / METRICS_FILE).stat().st_mtime
+                        last = (directory / METRICS_FILE).stat().st_mtime
                     except FileNotFoundError:
-                        last = path.stat().st_mtime
+                        last = seen.signature[2] / 1e9
                     out.add("run_last_metric_age_seconds", "", {
-                        "project": project, "run": path.parent.name, "kind": kind, "template": template,
-                        "user": _owner(path.parent, owners)}, max(now - last, 0.0))
+                        "project": project, "run": directory.name, "kind": kind, "template": seen.template,
+                        "user": seen.user}, max(now - last, 0.0))
+        self._seen = {k: v for k, v in self._seen.items() if k in listed}  # runs deleted since: forgotten
         out.gauge("runs", "det_lab runs by project, scheduler (kind), template and status",
                   ["project", "kind", "template", "status"])
         for (project, kind, template, status), n in sorted(counts.items()):
