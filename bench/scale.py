@@ -4,16 +4,18 @@
 
 For each size N it generates a volume (under a temporary directory on this machine's disk) with N
 runs (half local, half Slurm; 1 % running, the rest finished; each run.json the size and shape of a
-real VLA run's, about 6 KB, and 20 training and 4 validation reports; one in ten with a tracking journal
+real VLA run's, about 6 KB, with the progress an ended run records, and 20 training and 4
+validation reports; one in ten with a tracking journal
 of 50 events, half of them undelivered), N/10 registered datasets each with a published snapshot
 of 3 files, and 5 N checkpoint files (4 KiB each) under checkpoints/<project>/. Then it times, as
 the median of --runs:
 
-- the exporter: its start-up (the volume, runs and trackers sources read side by side before it
-  listens), its first scrape after that, and a scrape after the sources' ttl (it answers with the
+- the exporter: its start-up (the volume, runs and trackers sources read, one after another,
+  before it listens), its first scrape after that, and a scrape after the sources' ttl (it answers with the
   last figures and the sources refresh in the background); and the time of each source's own read;
-- ``det-lab runs list`` (the first listing, and one after a listing with nothing changed: it keeps
-  what it read per user and re-reads only runs whose files changed), ``det-lab data list`` and
+- ``det-lab runs list`` (the first listing; one after a listing with nothing changed: it keeps
+  what it read per user and re-reads only runs whose files changed; and, last, a first listing of
+  runs that ended before det_lab recorded their progress in run.json, whose metrics it reads), ``det-lab data list`` and
   ``det-lab tracking status``, each the installed console script as a user runs it (its
   interpreter start included).
 
@@ -117,11 +119,15 @@ def generate(root: Path, n_runs: int) -> Path:
         d.mkdir(parents=True)
         running = i % 100 == 0 and not slurm
         state = run_state(i, kind, name, project, slurm)
+        metrics = metrics_lines(i)
         if running:
             for key in ("status", "trial_status", "exit_code"):
                 del state[key]
+        else:  # what RunRecord.record_end keeps at the end: the progress reached, the metrics' size then
+            last_validation = json.loads(metrics[metrics.rindex('{"group": "validation"'):].splitlines()[0])
+            state["progress"] = {"step": 100, "validation": last_validation["metrics"], "metrics_bytes": len(metrics)}
         (d / "run.json").write_text(json.dumps(state, indent=2) + "\n")  # as det_lab's record writes it
-        (d / "metrics.jsonl").write_text(metrics_lines(i))
+        (d / "metrics.jsonl").write_text(metrics)
         if running:
             (d / "trainer.lock").write_text("")
         if i % 10 == 0:
@@ -154,7 +160,7 @@ def generate(root: Path, n_runs: int) -> Path:
 
 def time_exporter(config: Path, measure: str) -> float:
     """Seconds of one exporter step over the volume, runs and trackers sources: ``start-up`` (every
-    source read, side by side, before it listens), ``first`` (the first scrape after that), ``ttl``
+    source read before it listens), ``first`` (the first scrape after that), ``ttl``
     (a scrape with every answer past its ttl: it answers and refreshes in the background)."""
     from prometheus_client import generate_latest
 
@@ -209,6 +215,19 @@ def time_cli(config: Path, *args: str, listed_before: bool | None = None) -> flo
     return seconds
 
 
+def forget_progress(config: Path) -> Path:
+    """Take the recorded progress out of every run.json, as runs that ended before det_lab kept it
+    left them (their listing reads metrics.jsonl); once per volume."""
+    marker = config.parent / "progress-forgotten"
+    if not marker.exists():
+        for path in (config.parent / "data" / "outputs").glob("*/*-runs/*/run.json"):
+            state = json.loads(path.read_text())
+            if state.pop("progress", None) is not None:
+                path.write_text(json.dumps(state, indent=2) + "\n")
+        marker.touch()
+    return config
+
+
 MEASURES = {
     "det-lab --help (start-up alone, for scale)": lambda c: time_cli(c, "--help"),
     "exporter start-up: volume, runs, trackers read before it listens": lambda c: time_exporter(c, "start-up"),
@@ -222,6 +241,9 @@ MEASURES = {
     "det-lab runs list, listed before (nothing changed)": lambda c: time_cli(c, "runs", "list", listed_before=True),
     "det-lab data list": lambda c: time_cli(c, "data", "list"),
     "det-lab tracking status": lambda c: time_cli(c, "tracking", "status"),
+    # last: it rewrites every run.json
+    "det-lab runs list, first listing, runs ended before det_lab kept their progress":
+        lambda c: time_cli(forget_progress(c), "runs", "list", listed_before=False),
 }
 
 

@@ -647,8 +647,8 @@ def test_a_scrape_never_waits_for_a_slow_refresh():
 
 
 def test_sources_are_read_before_the_first_scrape_and_one_still_reading_is_an_error():
-    """The exporter reads its sources side by side before it listens, so its first scrape answers
-    from memory; a source whose first read outlasts the wait is its scrape's error (no series),
+    """The exporter reads its sources before it listens (those that wait on a command or a driver
+    side by side), so its first scrape answers from memory; a source whose first read outlasts the wait is its scrape's error (no series),
     never a source that answered with nothing, and its series come with its answer."""
     import threading
 

@@ -21,14 +21,16 @@ app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slu
 ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
 
 
-def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True) -> list[LocalRunRecord]:
-    """Every run of ``project`` (default: all projects), by the time of its run.json unless not ``ordered``."""
+def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True,
+             probe: bool = True) -> list[LocalRunRecord]:
+    """Every run of ``project`` (default: all projects), by the time of its run.json unless not
+    ``ordered``; ``probe``: see :func:`det_lab.trials.record.run_dirs`."""
     from det_lab.trials.record import run_dirs
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
-    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p).items()]
+    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered).items()]
     return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
 
 
@@ -133,7 +135,7 @@ def list_runs(
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
     rows: list = []
-    for run in all_runs(settings, project, ordered=False):  # ordered below, by what the cache stat'ed
+    for run in all_runs(settings, project, ordered=False, probe=False):  # ordered below, by what was stat'ed
         try:
             listed = cache.read(run)  # run.json and progress, re-read only when the files changed
         except ValueError as exc:  # one damaged run.json: said, and listed as such, not the end of the listing

@@ -2,7 +2,7 @@
 
 A source is slow (``squeue``, a walk of the volume) or fast (NVML); each says how long its figures
 may be reused (``ttl``). ``det-lab exporter`` reads every source once before it listens
-(:meth:`LabCollector.prime`, the sources side by side); after that, a scrape that finds an answer
+(:meth:`LabCollector.prime`); after that, a scrape that finds an answer
 older than ``ttl`` answers with it and starts a refresh in the background, so a scrape never waits
 for a walk of a large volume or a ``squeue`` that hangs (the answer it gives is at most ``ttl``
 plus one refresh old). A source never read is read in the scrape; one whose first read is still
@@ -147,22 +147,27 @@ class LabCollector(Collector):
             yield from answer.metrics
 
     def prime(self, timeout: float = 60.0) -> list[str]:
-        """Read every source not read yet, side by side (a thread each), so that the first scrape
-        answers from memory; returns the names of those still reading after ``timeout`` seconds
-        (they go on in the background; until they answer, a scrape gives their scrape error)."""
+        """Read every source not read yet, so that the first scrape answers from memory; returns
+        the names of those still reading after ``timeout`` seconds (they go on in the background;
+        until they answer, a scrape gives their scrape error). The sources that read the volume
+        go one after another in one thread (side by side, Python threads contend for the GIL and
+        are slower than in turn); each other source (a command, a driver: waiting outside Python)
+        gets a thread of its own, so a ``squeue`` that hangs delays nobody."""
         with self._lock:
             unread = [s for s in self.sources
                       if self._cache[s.name].at == float("-inf") and not self._cache[s.name].refreshing]
             for source in unread:
                 self._cache[source.name].refreshing = True
-        threads = [threading.Thread(target=self._refresh, args=(s,), name=f"prime-{s.name}", daemon=True)
-                   for s in unread]
+        volume = [s for s in unread if isinstance(s, VolumeReader)]
+        groups = ([volume] if volume else []) + [[s] for s in unread if not isinstance(s, VolumeReader)]
+        threads = [threading.Thread(target=lambda group=group: [self._refresh(s) for s in group],
+                                    name=f"prime-{group[0].name}", daemon=True) for group in groups]
         for thread in threads:
             thread.start()
         deadline = time.monotonic() + timeout
         for thread in threads:
             thread.join(max(deadline - time.monotonic(), 0.0))
-        return [s.name for s, t in zip(unread, threads) if t.is_alive()]
+        return [s.name for s in unread if self._cache[s.name].at == float("-inf")]
 
     def errors(self) -> dict[str, str]:
         """Each source whose last read failed, with why."""

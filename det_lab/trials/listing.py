@@ -1,8 +1,12 @@
 """Listing many runs: what ``det-lab runs list`` shows of each, re-read only where its files changed.
 
-A listing reads every run's ``run.json`` and ``metrics.jsonl``: two file reads per run (each
-stat'ed through its open descriptor before it is read, so the figures and the key they are kept
-under belong together). The figures of the last listing are kept per user on local disk
+A listing reads every run's ``run.json`` (stat'ed through its open descriptor before it is read,
+so the figures and the key they are kept under belong together) and only what it shows of it: the
+top-level keys of a file as det_lab writes it are found without parsing its lineage and config. An
+ended run's run.json holds the progress it reached and the size of ``metrics.jsonl`` then
+(:meth:`~det_lab.trials.record.RunRecord.record_end`): while the metrics keep that size, one
+``stat`` replaces reading them; any other run's metrics are read (det_lab's own lines counted, not
+parsed). The figures of the last listing are kept per user on local disk
 (``$XDG_CACHE_HOME/det-lab/runs-<volume>.json``), each under its two files' inode, size and
 modification time: a run whose files did not change costs two ``stat`` calls. ``run.json`` is
 replaced whole (a new inode at each write) and ``metrics.jsonl`` only grows, so an unchanged key
@@ -20,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from det_lab.trials.record import METRICS_FILE, RUN_FILE, LocalRunRecord, parse_progress, parse_run_file
+from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
+                                   parse_run_file)
 from det_lab.volume import atomic_write_text
 
 #: the run.json keys a listing shows (the rest, lineage included, stays in the file)
@@ -76,13 +81,18 @@ def _shown(state: dict[str, Any]) -> dict[str, Any]:
     if slurm:
         out["slurm"] = {"job_id": slurm.get("job_id"),
                         "attempts": [{"node": a.get("node")} for a in slurm.get("attempts") or []]}
+    progress = state.get(PROGRESS_KEY)
+    if isinstance(progress, dict) and isinstance(progress.get("step"), int) and \
+            isinstance(progress.get("validation"), dict) and isinstance(progress.get("metrics_bytes"), int):
+        out[PROGRESS_KEY] = progress
     return out
 
 
 #: a top-level key shown by a listing, in a run.json as det_lab writes it (json.dumps, indent=2:
 #: only top-level keys start a line with two spaces and a quote; JSON strings hold no newline)
 _TOP_SCALAR = re.compile(rb'\n  ("(?:' + b"|".join(k.encode() for k in _SHOWN) + rb')": [^\n]*?),?(?=\n)')
-_TOP_SLURM = b'\n  "slurm": {'
+#: the top-level objects it shows: each ends at the first line that closes at the top level's depth
+_TOP_OBJECTS = (b'\n  "slurm": {', b'\n  "' + PROGRESS_KEY.encode() + b'": {')
 
 
 def shown_state(data: bytes, path: str) -> dict[str, Any]:
@@ -90,11 +100,14 @@ def shown_state(data: bytes, path: str) -> dict[str, Any]:
     found without parsing the rest (lineage and config are most of a run.json), for a whole file
     as det_lab writes it; any other file is parsed whole (a damaged one: ``ValueError``)."""
     if data.startswith(b'{\n  "') and data.endswith((b"\n}", b"\n}\n")):  # whole: not cut short
+        parts = _TOP_SCALAR.findall(data)
+        for head in _TOP_OBJECTS:
+            at = data.find(head)
+            end = data.find(b"\n  }", at)
+            if at >= 0 and end > at:
+                parts.append(data[at + 3:end + 4])
         try:
-            found = json.loads(b"{" + b",".join(_TOP_SCALAR.findall(data)) + b"}")
-            at = data.find(_TOP_SLURM)
-            if at >= 0:  # its object ends at the first line that closes at the top level's depth
-                found["slurm"] = json.loads(data[at + len(_TOP_SLURM) - 1:data.index(b"\n  }", at) + 4])
+            found = json.loads(b"{" + b",".join(parts) + b"}")  # the shown keys alone, parsed at once
             if "name" in found:
                 return _shown(found)
         except (ValueError, AttributeError, TypeError):
@@ -115,6 +128,8 @@ class ListingCache:
         except (OSError, ValueError):
             self.entries = {}
         self.seen: dict[str, Any] = {}
+        #: runs read from their files in this listing (not from the cache)
+        self.read_again = 0
 
     def read(self, run: LocalRunRecord) -> Listed | None:
         """``run`` as a listing shows it, from the cache when neither of its files changed; None
@@ -127,13 +142,20 @@ class ListingCache:
             key = [stat_signature(run_path), stat_signature(metrics_path)]
             if hit.get("key") == key and key[0] is not None and isinstance(hit.get("state"), dict):
                 return self._listed(directory, hit)
-        state = read_signed(run_path)
-        if state is None:
+        read = read_signed(run_path)
+        if read is None:
             return None
-        metrics = read_signed(metrics_path)
-        step, validation = parse_progress(metrics[0]) if metrics else (0, {})
-        entry = {"key": [state[1], metrics[1] if metrics else None],
-                 "state": shown_state(state[0], run_path), "step": step, "validation": validation}
+        state = shown_state(read[0], run_path)
+        recorded = state.pop(PROGRESS_KEY, None)
+        metrics_key = stat_signature(metrics_path) if recorded else None
+        if recorded and recorded["metrics_bytes"] == (metrics_key[1] if metrics_key else 0):
+            step, validation = recorded["step"], recorded["validation"]  # an ended run: its metrics as it left them
+        else:
+            metrics = read_signed(metrics_path)
+            step, validation = parse_progress(metrics[0]) if metrics else (0, {})
+            metrics_key = metrics[1] if metrics else None
+        entry = {"key": [read[1], metrics_key], "state": state, "step": step, "validation": validation}
+        self.read_again += 1
         return self._listed(directory, entry)
 
     def _listed(self, directory: str, entry: dict[str, Any]) -> Listed:
@@ -143,6 +165,8 @@ class ListingCache:
 
     def save(self, complete: bool) -> None:
         """Keep what this listing read (``complete``: it listed every run, so drop the others)."""
+        if not self.read_again and (not complete or len(self.seen) == len(self.entries)):
+            return  # nothing new: the file on disk says it already
         entries = self.seen if complete else {**self.entries, **self.seen}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -237,7 +237,7 @@ def record_exit(run: LocalRunRecord, code: int) -> str:
         return "busy"
     state = run.state()
     status = "failed" if code != 0 else "finished" if state.get("trial_status") == "FINISHED" else "stopped"
-    run.update(status=status, exit_code=code)
+    run.record_end(status=status, exit_code=code)
     return status
 
 

@@ -41,6 +41,8 @@ JOURNAL_DIR = "tracking-journal"
 WORK_DIR = "work"
 #: run.json key of a ``det-lab reproduce`` run: which run (and checkpoint) it reproduces
 REPRODUCES_KEY = "reproduces"
+#: run.json key of the progress an ended run reached (:meth:`RunRecord.record_end`)
+PROGRESS_KEY = "progress"
 
 
 #: how append_metrics starts its lines (json.dumps of {"group", "step", "metrics"}, in that order)
@@ -203,6 +205,18 @@ class RunRecord:
         except FileNotFoundError:
             return 0, {}
 
+    def record_end(self, **changes: Any) -> dict[str, Any]:
+        """Update run.json with how the run ended (``status``, ...) and the progress it reached,
+        under :data:`PROGRESS_KEY` with the size of ``metrics.jsonl`` it was read from: a listing
+        takes it while the metrics keep that size (they only grow) instead of reading them."""
+        try:
+            data = self.metrics_file.read_bytes()
+        except FileNotFoundError:
+            data = b""
+        step, validation = parse_progress(data)
+        return self.update(**changes, **{PROGRESS_KEY: {"step": step, "validation": validation,
+                                                        "metrics_bytes": len(data)}})
+
     def tracking_summary(self) -> dict[str, Any] | None:
         try:
             return json.loads(self.tracking_summary_file.read_text())
@@ -331,9 +345,11 @@ def _load_kind(kind: str) -> type[LocalRunRecord]:
     return _KINDS.get(kind, LocalRunRecord)
 
 
-def run_dirs(layout: VolumeLayout, project: str) -> dict[Path, type[LocalRunRecord]]:
+def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> dict[Path, type[LocalRunRecord]]:
     """Every local-style run directory of ``project`` with its record class, in no order: one
-    glob per kind's runs directory, no run file read (where a run is says its kind)."""
+    listing per kind's runs directory, no run file read (where a run is says its kind). Only those
+    holding a run.json, unless not ``probe`` (a caller that reads each run.json, skipping those
+    that are not there)."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
     out: dict[Path, type[LocalRunRecord]] = {}
@@ -345,7 +361,8 @@ def run_dirs(layout: VolumeLayout, project: str) -> dict[Path, type[LocalRunReco
         except OSError:  # absent, or a project this user may not read (as glob did)
             continue
         base = str(root)
-        out.update((root / name, cls) for name in names if os.path.exists(os.path.join(base, name, RUN_FILE)))
+        out.update((root / name, cls) for name in names
+                   if not probe or os.path.exists(os.path.join(base, name, RUN_FILE)))
     return out
 
 

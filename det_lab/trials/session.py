@@ -171,7 +171,7 @@ class LabSession:
             self.record.record_outcome(status, None if summary is None else
                                        {**asdict(summary), "journal": str(summary.journal)})
             if parent_gone():  # det-lab run died first: nobody else will record how the run ended
-                self.record.update(status={"FINISHED": "finished", "KILLED": "stopped"}.get(status, "failed"))
+                self.record.record_end(status={"FINISHED": "finished", "KILLED": "stopped"}.get(status, "failed"))
         if self._trainer_lock is not None:
             self._trainer_lock.__exit__(None, None, None)
             self._trainer_lock = None

@@ -1,0 +1,182 @@
+"""What ``det-lab runs list`` shows of each run is what the run's files say, however they were
+written: its fast readers (det_lab's own formats matched without parsing, an ended run's recorded
+progress) against a plain JSON reading of the same bytes, on files det_lab wrote, files written
+another way, and torn or cut-short files."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from det_lab.trials import listing, record
+from det_lab.trials.listing import ListingCache, shown_state
+from det_lab.trials.record import LocalRunRecord, parse_progress
+from tests.conftest import VENV_BIN, Lab
+
+
+def reference_progress(data: bytes) -> tuple[int, dict]:
+    """Every complete line parsed as JSON: the highest training step, the last validation."""
+    step, last = 0, {}
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and m.get("group") == "training" and isinstance(m.get("step"), int):
+            step = max(step, m["step"])
+        elif isinstance(m, dict) and m.get("group") == "validation" and isinstance(m.get("metrics"), dict):
+            last = m["metrics"]
+    return step, last
+
+
+def metrics_file(rng: random.Random, odd: bool) -> bytes:
+    """Reports as append_metrics writes them, every value its own; ``odd``: also lines written
+    another way (keys reordered, nested metrics, not an object), torn lines followed by the next
+    report, and a last line still being written."""
+    lines: list[bytes] = []
+    step = 0
+    for _ in range(rng.randrange(0, 40)):
+        step = max(step + rng.randrange(-3, 9), 0)  # a resumed trial may report a key first seen at an earlier step
+        group = rng.choice(["training", "training", "validation"])
+        metrics = {f"k{rng.randrange(5)}": rng.random() for _ in range(rng.randrange(1, 4))}
+        line = json.dumps({"group": group, "step": step, "metrics": metrics}).encode()
+        if odd and rng.random() < 0.3:
+            line = rng.choice([
+                json.dumps({"step": step + 1000, "group": group, "metrics": metrics}).encode(),
+                json.dumps({"group": group, "step": step, "metrics": {"nested": metrics}}).encode(),
+                json.dumps([group, step]).encode(),
+                line[:rng.randrange(1, len(line))],  # torn: the next report follows on the same line
+                b"",
+            ])
+            if not line.endswith(b"}") or rng.random() < 0.5:
+                lines.append(line)
+                continue
+        lines.append(line + b"\n")
+    data = b"".join(lines)
+    if odd and rng.random() < 0.5:
+        data += b'{"group": "training", "step": 99999, "met'  # being written
+    return data
+
+
+def test_progress_of_any_metrics_file_is_what_its_json_lines_say():
+    rng = random.Random(7)
+    own, fast = 0, 0
+    for case in range(3000):
+        odd = case % 2 == 1
+        data = metrics_file(rng, odd)
+        assert parse_progress(data) == reference_progress(data), data
+        if not odd and data:
+            own += 1
+            fast += record._progress_as_written(data) is not None
+    assert fast == own > 1400  # every file as det_lab writes it took the counting path (and agreed)
+
+
+def test_a_metrics_line_torn_and_followed_by_the_next_report_is_not_read_as_a_step():
+    data = (b'{"group": "training", "step": 7, "metrics": {"loss": 1.0}}\n'
+            b'{"group": "training", "step": 40, "metr'  # torn: the trial died writing it
+            b'{"group": "training", "step": 9, "metrics": {"loss": 0.5}}\n'  # the resumed trial's report
+            b'{"step": 12, "group": "training", "metrics": {"loss": 0.1}}\n')
+    assert parse_progress(data) == (12, {}) == reference_progress(data)
+
+
+NASTY = ['plain', 'with "quotes"', 'back\\slash', 'a,\n  "status": "forged",', '}\n}', 'ünïcødé ✓', '', ' ,',
+         '\n  }', '{"name": "x"}']
+
+
+def random_state(rng: random.Random) -> dict:
+    """A run.json state with the shown keys anywhere among others, nested keys of the same names,
+    and strings that look like JSON lines."""
+    state: dict = {"lineage": {"status": rng.choice(NASTY), "name": rng.choice(NASTY),
+                               "config": {"slurm": {"job_id": "nested"}, "deep": [rng.random(), {"user": "x"}]}},
+                   "exp_conf": {"hyperparameters": {"lr": rng.random()}, "notes": rng.choice(NASTY)},
+                   "checkpoints": [{"uuid": f"u{rng.randrange(10**6)}", "step": rng.randrange(100)}]}
+    for key in ("name", "template", "status", "max_length", "host", "user"):
+        if key == "name" or rng.random() < 0.7:
+            state[key] = rng.choice([rng.choice(NASTY), rng.randrange(10**6), None, {"an": ["object"]}]) if key != "name" else \
+                f"run-{rng.randrange(10**6)}-{rng.choice(NASTY)}"
+    if rng.random() < 0.5:
+        state["slurm"] = {"job_id": str(rng.randrange(10**5)), "partition": rng.choice(NASTY),
+                          "attempts": [{"node": f"n{rng.randrange(9)}", "started": rng.choice(NASTY)}
+                                       for _ in range(rng.randrange(3))]}
+    if rng.random() < 0.5:
+        state[record.PROGRESS_KEY] = {"step": rng.randrange(10**4), "validation": {"v": rng.random()},
+                                      "metrics_bytes": rng.randrange(10**5)}
+    items = list(state.items())
+    rng.shuffle(items)
+    return dict(items)
+
+
+def test_what_a_listing_shows_of_a_run_json_is_what_its_json_says():
+    """run.json as det_lab writes it (indent 2), written another way (compact, other indents),
+    and cut short: the shown keys equal the full parse's; a cut file is refused, never half-read."""
+    rng = random.Random(11)
+    for _ in range(1500):
+        state = random_state(rng)
+        expected = listing._shown(state)
+        for text in (json.dumps(state, indent=2, default=str) + "\n", json.dumps(state), json.dumps(state, indent=4)):
+            data = text.encode()
+            assert shown_state(data, "run.json") == expected, text
+            cut = data[:rng.randrange(1, len(data) - 2)]
+            with pytest.raises(ValueError, match="damaged run record"):
+                shown_state(cut, "run.json")
+
+
+def test_an_ended_run_is_listed_from_its_record_until_its_metrics_grow(tmp_path, monkeypatch):
+    """The progress an ended run recorded stands in for its metrics exactly while they keep the size
+    it was recorded at: a resumed run's new reports are listed, not the recorded end."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    run = LocalRunRecord(tmp_path / "r")
+    run.dir.mkdir()
+    run.save({"name": "r", "max_length": 50})
+    for step in (5, 10):
+        run.append_metrics("training", step, {"loss": 1.0 / step})
+    run.append_metrics("validation", 10, {"val_loss": 0.25})
+    run.record_end(status="stopped")
+    reads: list[str] = []
+    monkeypatch.setattr(listing, "read_signed", lambda path, read=listing.read_signed: reads.append(
+        Path(path).name) or read(path))
+    listed = ListingCache(tmp_path).read(run)
+    assert (listed.step, listed.validation, listed.state["status"]) == (10, {"val_loss": 0.25}, "stopped")
+    assert reads == ["run.json"]  # its metrics were not read
+    run.update(status="running")  # resumed: run.json rewritten, the recorded end kept
+    run.append_metrics("training", 15, {"loss": 0.1})
+    reads.clear()
+    listed = ListingCache(tmp_path).read(run)
+    assert (listed.step, listed.validation, listed.state["status"]) == (15, {"val_loss": 0.25}, "running")
+    assert reads == ["run.json", "metrics.jsonl"]
+
+
+@pytest.fixture
+def lab(tmp_path) -> Lab:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_"))}
+    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CACHE_HOME=str(tmp_path / "cache"), COLUMNS="200")
+    lab = Lab(root=tmp_path / "data", config=tmp_path / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "none"})
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+
+    init_volume(load_settings(lab.config, env={}))
+    return lab
+
+
+def test_runs_list_names_a_damaged_run_json_and_lists_every_other_run(lab):
+    runs = lab.root / "outputs" / "vla" / "local-runs"
+    for i in range(3):
+        run = LocalRunRecord(runs / f"r{i}")
+        run.dir.mkdir(parents=True)
+        run.save({"name": f"r{i}", "status": "finished", "max_length": 10, "template": "vla"})
+        run.append_metrics("training", i + 3, {"loss": 1.0})
+    (runs / "r1" / "run.json").write_bytes((runs / "r1" / "run.json").read_bytes()[:30])  # cut short
+    (runs / "no-record").mkdir()  # a directory without run.json: not a run
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "runs", "list", "--json"], env=lab.env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr
+    rows = {r["name"]: (r["status"], r["step"]) for r in map(json.loads, proc.stdout.splitlines())}
+    assert rows == {"r0": ("finished", 3), "r1": ("damaged", 0), "r2": ("finished", 5)}
+    (warning,) = proc.stderr.strip().splitlines()
+    assert str(runs / "r1" / "run.json") in warning and "damaged run record" in warning
