@@ -114,6 +114,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "MLFLOW_TRACKING_URI": EnvVar(_text, "overrides `tracking.mlflow_uri`", "nonsense"),
     "DET_LAB_LOCK_LIFETIME": EnvVar(_positive(int), "seconds a volume lock outlives a holder that stopped "
                                     "refreshing it (a machine lost mid-pull); default 60", "soon"),
+    "DET_LAB_LIST_WORKERS": EnvVar(_positive(int), "processes `det-lab runs list` reads runs with, when it has "
+                                   "2,000 or more to read (1: none); default one per CPU, at most 8", "many"),
     "DET_LAB_TEMPLATES": EnvVar(_existing_dir, "directory of experiment templates for `det-lab run` "
                                 "(default: the installed experiment_templates/)", "/nonexistent/templates"),
     "DET_LAB_CLUSTER_CONFIG": EnvVar(_path, "cluster config file; same as `--cluster-config`"),

@@ -180,3 +180,71 @@ def test_runs_list_names_a_damaged_run_json_and_lists_every_other_run(lab):
     assert rows == {"r0": ("finished", 3), "r1": ("damaged", 0), "r2": ("finished", 5)}
     (warning,) = proc.stderr.strip().splitlines()
     assert str(runs / "r1" / "run.json") in warning and "damaged run record" in warning
+
+
+def _many_runs(root: Path, n: int) -> list[Path]:
+    """``n`` runs, every one its own (name, step, validation, status), written as det_lab writes them;
+    every 97th run.json cut short, every 89th ended with its progress recorded."""
+    dirs = []
+    for i in range(n):
+        run = LocalRunRecord(root / f"run-{i:05d}")
+        run.dir.mkdir(parents=True)
+        run.save({"name": run.dir.name, "template": f"t{i % 7}", "max_length": 1000 + i, "host": f"h{i % 3}"})
+        run.append_metrics("training", i + 1, {"loss": 1.0 / (i + 1)})
+        run.append_metrics("validation", i + 1, {"val_loss": 0.5 / (i + 1)})
+        if i % 89 == 0:
+            run.record_end(status="finished")
+        if i % 97 == 0:
+            run.run_file.write_bytes(run.run_file.read_bytes()[:40])
+        dirs.append(run.dir)
+    return dirs
+
+
+def test_runs_read_by_worker_processes_are_the_runs_read_alone(tmp_path, monkeypatch):
+    dirs = [str(d) for d in _many_runs(tmp_path / "runs", listing.PARALLEL_MIN + 50)]
+    alone = [listing._entry_or_error(d) for d in dirs]
+    read = listing.read_entry
+    monkeypatch.setattr(listing, "read_entry", lambda d: {**read(d), "pid": os.getpid()})
+    monkeypatch.setenv("DET_LAB_LIST_WORKERS", "2")
+    side_by_side = listing._read_entries(dirs)
+    pids = {e.pop("pid") for e in side_by_side if isinstance(e, dict)}
+    assert len(pids) == 2 and os.getpid() not in pids  # read by two workers, not by this process
+    assert side_by_side == alone
+    assert sum(isinstance(e, str) and "damaged run record" in e for e in alone) == len(range(0, len(dirs), 97))
+
+
+def test_runs_list_with_workers_prints_what_it_prints_without(lab):
+    n = listing.PARALLEL_MIN + 20
+    _many_runs(lab.root / "outputs" / "vla" / "local-runs", n)
+    out = {}
+    for workers in ("1", "2"):
+        env = {**lab.env, "DET_LAB_LIST_WORKERS": workers, "XDG_CACHE_HOME": str(lab.config.parent / f"cache-{workers}")}
+        proc = subprocess.run([str(VENV_BIN / "det-lab"), "runs", "list", "--json"], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr
+        out[workers] = (proc.stdout, sorted(proc.stderr.splitlines()))
+    assert out["1"] == out["2"]
+    rows = [json.loads(line) for line in out["1"][0].splitlines()]
+    assert len(rows) == n and len(out["1"][1]) == len(range(0, n, 97))  # each run.json cut short named once
+    assert {r["name"]: r["step"] for r in rows}["run-00500"] == 501
+
+
+def test_a_diverged_validation_loss_is_listed_as_nan_from_the_files_and_from_the_cache(tmp_path, monkeypatch):
+    import math
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    runs = []
+    for name, loss in (("diverged", float("nan")), ("fine", 0.125)):
+        run = LocalRunRecord(tmp_path / name)
+        run.dir.mkdir()
+        run.save({"name": name, "max_length": 10})
+        run.append_metrics("validation", 4, {"val_loss": loss})
+        run.record_end(status="failed")
+        runs.append(run)
+    first = ListingCache(tmp_path)
+    assert first.read_all(runs)[0].validation["val_loss"] != first.read_all(runs)[0].validation["val_loss"]  # NaN
+    first.save(complete=True)
+    again = ListingCache(tmp_path)
+    listed = again.read_all(runs)
+    assert again.read_again == 0  # both from the cache
+    assert math.isnan(listed[0].validation["val_loss"]) and listed[1].validation == {"val_loss": 0.125}

@@ -30,7 +30,7 @@ def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = 
 
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
-    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered).items()]
+    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered)]
     return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
 
 
@@ -54,11 +54,13 @@ def _where(run: LocalRunRecord, st: dict) -> str:
 def _slurm_job(run: LocalRunRecord, st: dict) -> dict[str, str] | None | bool:
     """``scontrol show job`` of a Slurm run still going by run.json (None: Slurm forgot it);
     False when there is nothing to ask (not a Slurm run, ended, no job, or Slurm not answering)."""
+    job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
+    if (st.get("status") or "created") in ENDED or not job_id:  # most runs of a long listing: asked nothing
+        return False
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
 
-    job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
-    if not isinstance(run, SlurmRunRecord) or (st.get("status") or "created") in ENDED or not job_id:
+    if not isinstance(run, SlurmRunRecord):
         return False
     try:
         return submit.job_state(job_id)
@@ -74,17 +76,17 @@ def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | 
     """run.json's status, corrected by Slurm for a job that ended without the driver saying so,
     and by the trainer lock for a local run whose trainer died (``st`` and ``job``: the run's state
     and :func:`_slurm_job`, when the caller has them)."""
-    from det_lab.slurm import submit
-
     st = run.state() if st is None else st
     status = st.get("status") or "created"
     job = _slurm_job(run, st) if job is _ASK else job
     if job is False:
-        if run.kind == "local":  # "running" only while its trainer lives
+        if run.kind == "local" and status in ("running", "created"):  # "running" only while its trainer lives
             from det_lab.trials.run_guard import training_status
 
             return training_status(st, run.dir)
         return status
+    from det_lab.slurm import submit
+
     if job is None or job.get("JobState") in submit.FINAL_STATES:
         return (job or {}).get("JobState", "gone").lower()
     return job["JobState"].lower()
@@ -135,11 +137,10 @@ def list_runs(
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
     rows: list = []
-    for run in all_runs(settings, project, ordered=False, probe=False):  # ordered below, by what was stat'ed
-        try:
-            listed = cache.read(run)  # run.json and progress, re-read only when the files changed
-        except ValueError as exc:  # one damaged run.json: said, and listed as such, not the end of the listing
-            err_console.print(f"warning: {exc}", style="yellow", highlight=False, markup=False)
+    runs = all_runs(settings, project, ordered=False, probe=False)  # ordered below, by what was stat'ed
+    for run, listed in zip(runs, cache.read_all(runs)):  # re-read only where the files changed
+        if isinstance(listed, ValueError):  # one damaged run.json: said, and listed as such
+            err_console.print(f"warning: {listed}", style="yellow", highlight=False, markup=False)
             listed = Listed({"name": run.dir.name, "status": "damaged"}, 0, {}, run.run_file.stat().st_uid, 0)
         if listed is None:  # deleted since it was found
             continue

@@ -37,7 +37,7 @@ LIVE = {"running"}
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
     """``(kind, run directory)`` of every local-style run of ``project``, any registered kind, in
     no order, without opening each record (:func:`det_lab.trials.record.run_dirs`)."""
-    for directory, cls in records.run_dirs(layout, project).items():
+    for directory, cls in records.run_dirs(layout, project):
         yield cls.kind, directory
 
 

@@ -1,9 +1,7 @@
 """Listing many runs: what ``det-lab runs list`` shows of each, re-read only where its files changed.
 
 A listing reads every run's ``run.json`` (stat'ed through its open descriptor before it is read,
-so the figures and the key they are kept under belong together) and only what it shows of it: the
-top-level keys of a file as det_lab writes it are found without parsing its lineage and config. An
-ended run's run.json holds the progress it reached and the size of ``metrics.jsonl`` then
+so the figures and the key they are kept under belong together; parsed by orjson). An ended run's run.json holds the progress it reached and the size of ``metrics.jsonl`` then
 (:meth:`~det_lab.trials.record.RunRecord.record_end`): while the metrics keep that size, one
 ``stat`` replaces reading them; any other run's metrics are read (det_lab's own lines counted, not
 parsed). The figures of the last listing are kept per user on local disk
@@ -18,12 +16,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
-import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+import orjson
+
+from det_lab.jsonload import loads
 from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
                                    parse_run_file)
 from det_lab.volume import atomic_write_text
@@ -32,8 +32,7 @@ from det_lab.volume import atomic_write_text
 _SHOWN = ("name", "template", "status", "max_length", "host", "user")
 
 
-@dataclass(frozen=True)
-class Listed:
+class Listed(NamedTuple):  # one per run of a listing of thousands: a tuple, not a dataclass
     """One run as a listing shows it: part of its run.json, its progress, and who owns it."""
 
     state: dict[str, Any]
@@ -88,31 +87,69 @@ def _shown(state: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-#: a top-level key shown by a listing, in a run.json as det_lab writes it (json.dumps, indent=2:
-#: only top-level keys start a line with two spaces and a quote; JSON strings hold no newline)
-_TOP_SCALAR = re.compile(rb'\n  ("(?:' + b"|".join(k.encode() for k in _SHOWN) + rb')": [^\n]*?),?(?=\n)')
-#: the top-level objects it shows: each ends at the first line that closes at the top level's depth
-_TOP_OBJECTS = (b'\n  "slurm": {', b'\n  "' + PROGRESS_KEY.encode() + b'": {')
-
-
 def shown_state(data: bytes, path: str) -> dict[str, Any]:
-    """What a listing shows of the run.json ``data`` (at ``path``, for errors): its top-level keys
-    found without parsing the rest (lineage and config are most of a run.json), for a whole file
-    as det_lab writes it; any other file is parsed whole (a damaged one: ``ValueError``)."""
-    if data.startswith(b'{\n  "') and data.endswith((b"\n}", b"\n}\n")):  # whole: not cut short
-        parts = _TOP_SCALAR.findall(data)
-        for head in _TOP_OBJECTS:
-            at = data.find(head)
-            end = data.find(b"\n  }", at)
-            if at >= 0 and end > at:
-                parts.append(data[at + 3:end + 4])
-        try:
-            found = json.loads(b"{" + b",".join(parts) + b"}")  # the shown keys alone, parsed at once
-            if "name" in found:
-                return _shown(found)
-        except (ValueError, AttributeError, TypeError):
-            pass  # not as det_lab writes it after all: read it whole
+    """What a listing shows of the run.json ``data`` (at ``path``, for errors); a damaged one is a
+    one-line ``ValueError`` naming it."""
     return _shown(parse_run_file(data, path))
+
+
+def read_entry(directory: str) -> dict[str, Any] | None:
+    """What a listing keeps of the run in ``directory``, read from its files: ``{"key", "state",
+    "step", "validation"}``; None when its run.json is not there; a damaged run.json is a one-line
+    ``ValueError`` naming it."""
+    run_path, metrics_path = os.path.join(directory, RUN_FILE), os.path.join(directory, METRICS_FILE)
+    read = read_signed(run_path)
+    if read is None:
+        return None
+    state = shown_state(read[0], run_path)
+    recorded = state.pop(PROGRESS_KEY, None)
+    metrics_key = stat_signature(metrics_path) if recorded else None
+    if recorded and recorded["metrics_bytes"] == (metrics_key[1] if metrics_key else 0):
+        step, validation = recorded["step"], recorded["validation"]  # an ended run: its metrics as it left them
+    else:
+        metrics = read_signed(metrics_path)
+        step, validation = parse_progress(metrics[0]) if metrics else (0, {})
+        metrics_key = metrics[1] if metrics else None
+    return {"key": [read[1], metrics_key], "state": state, "step": step, "validation": validation}
+
+
+def _entry_or_error(directory: str) -> dict[str, Any] | str | None:
+    """:func:`read_entry` for a worker process: a damaged run.json's error as its message."""
+    try:
+        return read_entry(directory)
+    except ValueError as exc:
+        return str(exc)
+
+
+#: below this many runs to read, a listing reads them itself (starting workers costs more)
+PARALLEL_MIN = 2000
+
+
+def listing_workers() -> int:
+    """How many processes read runs side by side: ``DET_LAB_LIST_WORKERS``, else one per CPU this
+    process may use, at most 8."""
+    from det_lab.settings import env_value
+
+    return max(int(env_value("DET_LAB_LIST_WORKERS", min(len(os.sched_getaffinity(0)), 8))), 1)
+
+
+def _read_entries(directories: list[str]) -> list[dict[str, Any] | str | None]:
+    """:func:`_entry_or_error` of each directory, in order; many are read by worker processes side
+    by side (parsing thousands of records is CPU work, and on NFS each file waits on the network),
+    and by this process alone when workers cannot start."""
+    workers = listing_workers()
+    if workers > 1 and len(directories) >= PARALLEL_MIN:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+        from concurrent.futures.process import BrokenProcessPool
+
+        chunk = max(len(directories) // (workers * 4), 64)
+        try:  # fork: the workers start with what this process imported, and nothing is pickled in
+            with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+                return list(pool.map(_entry_or_error, directories, chunksize=chunk))
+        except (OSError, BrokenProcessPool):
+            pass  # no processes to be had (a limit on them, a worker killed): read them here
+    return [_entry_or_error(d) for d in directories]
 
 
 class ListingCache:
@@ -123,7 +160,7 @@ class ListingCache:
         volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
         self.path = base / f"runs-{volume}.json"
         try:
-            entries = json.loads(self.path.read_text())
+            entries = loads(self.path.read_bytes())
             self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
         except (OSError, ValueError):
             self.entries = {}
@@ -131,32 +168,47 @@ class ListingCache:
         #: runs read from their files in this listing (not from the cache)
         self.read_again = 0
 
+    def _unchanged(self, directory: str) -> dict[str, Any] | None:
+        """The cache's entry of ``directory`` when neither of its files changed (two ``stat``)."""
+        hit = self.entries.get(directory)
+        if not isinstance(hit, dict):
+            return None
+        key = [stat_signature(os.path.join(directory, RUN_FILE)), stat_signature(os.path.join(directory, METRICS_FILE))]
+        if hit.get("key") == key and key[0] is not None and isinstance(hit.get("state"), dict):
+            return hit
+        return None
+
     def read(self, run: LocalRunRecord) -> Listed | None:
         """``run`` as a listing shows it, from the cache when neither of its files changed; None
         when its run.json is gone (a run deleted since it was found). A damaged run.json is a
         one-line ``ValueError`` naming it."""
         directory = str(run.dir)
-        run_path, metrics_path = os.path.join(directory, RUN_FILE), os.path.join(directory, METRICS_FILE)
-        hit = self.entries.get(directory)
-        if isinstance(hit, dict):  # a listing before this one read it: two stats tell whether it changed
-            key = [stat_signature(run_path), stat_signature(metrics_path)]
-            if hit.get("key") == key and key[0] is not None and isinstance(hit.get("state"), dict):
-                return self._listed(directory, hit)
-        read = read_signed(run_path)
-        if read is None:
-            return None
-        state = shown_state(read[0], run_path)
-        recorded = state.pop(PROGRESS_KEY, None)
-        metrics_key = stat_signature(metrics_path) if recorded else None
-        if recorded and recorded["metrics_bytes"] == (metrics_key[1] if metrics_key else 0):
-            step, validation = recorded["step"], recorded["validation"]  # an ended run: its metrics as it left them
-        else:
-            metrics = read_signed(metrics_path)
-            step, validation = parse_progress(metrics[0]) if metrics else (0, {})
-            metrics_key = metrics[1] if metrics else None
-        entry = {"key": [read[1], metrics_key], "state": state, "step": step, "validation": validation}
-        self.read_again += 1
+        entry = self._unchanged(directory)
+        if entry is None:
+            entry = read_entry(directory)
+            if entry is None:
+                return None
+            self.read_again += 1
         return self._listed(directory, entry)
+
+    def read_all(self, runs: list[LocalRunRecord]) -> list[Listed | ValueError | None]:
+        """:meth:`read` of each run, in order (a damaged run.json: its ``ValueError``, not raised);
+        the runs not in the cache are read side by side when there are many (:func:`_read_entries`)."""
+        out: list[Listed | ValueError | None] = [None] * len(runs)
+        missed: list[int] = []
+        for i, run in enumerate(runs):
+            entry = self._unchanged(str(run.dir))
+            if entry is None:
+                missed.append(i)
+            else:
+                out[i] = self._listed(str(run.dir), entry)
+        for i, entry in zip(missed, _read_entries([str(runs[i].dir) for i in missed])):
+            if isinstance(entry, str):
+                out[i] = ValueError(entry)
+            elif entry is not None:
+                self.read_again += 1
+                out[i] = self._listed(str(runs[i].dir), entry)
+        return out
 
     def _listed(self, directory: str, entry: dict[str, Any]) -> Listed:
         self.seen[directory] = entry
@@ -168,8 +220,16 @@ class ListingCache:
         if not self.read_again and (not complete or len(self.seen) == len(self.entries)):
             return  # nothing new: the file on disk says it already
         entries = self.seen if complete else {**self.entries, **self.seen}
+        # orjson writes thousands of entries in a tenth of json's time, but NaN (a diverged
+        # validation loss) as null: json.dumps keeps it
+        try:
+            finite = all(type(v) is not float or math.isfinite(v)
+                         for e in entries.values() for v in e["validation"].values())
+        except (AttributeError, KeyError, TypeError):  # an entry of a damaged cache kept for other runs
+            finite = False
+        text = orjson.dumps(entries).decode() if finite else json.dumps(entries, separators=(",", ":"))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps(entries), mode=0o600)
+            atomic_write_text(self.path, text, mode=0o600)
         except OSError:
             pass

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-from det_lab.tracking.events import numeric
+from det_lab.jsonload import loads
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 RUN_FILE = "run.json"
@@ -61,7 +61,7 @@ def read_run_file(path: Path) -> dict[str, Any]:
 def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
     """The bytes of the run.json at ``path`` as a dict (see :func:`read_run_file`)."""
     try:
-        state = json.loads(data)
+        state = loads(data)
         problem = None if isinstance(state, dict) else "not a JSON object"
     except ValueError as exc:  # also bytes that are not UTF-8
         problem = str(exc)
@@ -111,7 +111,7 @@ def _progress_as_written(complete: bytes) -> tuple[int, dict[str, float]] | None
     if at > 0 and complete[at - 1:at] != b"\n":
         return None
     try:
-        metrics = json.loads(complete[at:complete.index(b"\n", at)])["metrics"]
+        metrics = loads(complete[at:complete.index(b"\n", at)])["metrics"]
     except (ValueError, KeyError, TypeError):
         return None
     return (step, metrics) if isinstance(metrics, dict) else None
@@ -236,6 +236,8 @@ class RunRecord:
                 for key in m["metrics"]:
                     self._high_water[(m["group"], key)] = max(m["step"], self._high_water.get((m["group"], key), m["step"]))
         step = int(step)
+        from det_lab.tracking.events import numeric  # the tracking package is not a listing's to import
+
         fresh = {k: v for k, v in numeric(metrics).items() if step > self._high_water.get((group, k), step - 1)}
         if not fresh:
             return
@@ -345,14 +347,14 @@ def _load_kind(kind: str) -> type[LocalRunRecord]:
     return _KINDS.get(kind, LocalRunRecord)
 
 
-def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> dict[Path, type[LocalRunRecord]]:
+def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> list[tuple[Path, type[LocalRunRecord]]]:
     """Every local-style run directory of ``project`` with its record class, in no order: one
     listing per kind's runs directory, no run file read (where a run is says its kind). Only those
     holding a run.json, unless not ``probe`` (a caller that reads each run.json, skipping those
     that are not there)."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
-    out: dict[Path, type[LocalRunRecord]] = {}
+    out: list[tuple[Path, type[LocalRunRecord]]] = []  # each kind its own directory: no run twice
     for cls in set(_KINDS.values()):
         root = cls.runs_root(layout, project)
         try:
@@ -361,16 +363,15 @@ def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> dict[Pat
         except OSError:  # absent, or a project this user may not read (as glob did)
             continue
         base = str(root)
-        out.update((root / name, cls) for name in names
+        out.extend((root / name, cls) for name in names
                    if not probe or os.path.exists(os.path.join(base, name, RUN_FILE)))
     return out
 
 
 def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
     """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
-    dirs = run_dirs(layout, project)
-    for d in sorted(dirs, key=lambda p: p.stat().st_mtime):
-        yield dirs[d](d)
+    for d, cls in sorted(run_dirs(layout, project), key=lambda item: item[0].stat().st_mtime):
+        yield cls(d)
 
 
 def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
