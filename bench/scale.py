@@ -13,7 +13,8 @@ the median of --runs:
 - the exporter: its start-up (the volume, runs and trackers sources read, one after another,
   before it listens), its first scrape after that, and a scrape after the sources' ttl (it answers with the
   last figures and the sources refresh in the background); and the time of each source's own read;
-- ``det-lab runs list`` (the first listing; one after a listing with nothing changed: it keeps
+- ``det-lab runs list`` (the first listing, with its worker processes and without; one after a
+  listing with nothing changed: it keeps
   what it read per user and re-reads only runs whose files changed; and, last, a first listing of
   runs that ended before det_lab recorded their progress in run.json, whose metrics it reads), ``det-lab data list`` and
   ``det-lab tracking status``, each the installed console script as a user runs it (its
@@ -197,12 +198,14 @@ def time_source(config: Path, name: str, again: bool = False) -> float:
     return time.perf_counter() - start
 
 
-def time_cli(config: Path, *args: str, listed_before: bool | None = None) -> float:
+def time_cli(config: Path, *args: str, listed_before: bool | None = None, workers: int | None = None) -> float:
     """Seconds of one ``det-lab *args``. ``listed_before``: with ``runs list``'s cache of the
     previous listing (nothing changed since) or without one (the first listing, every file read)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "SLURM_"))}
     cache = config.parent / "user-cache"
     env.update(DET_LAB_CONFIG=str(config), COLUMNS="200", XDG_CACHE_HOME=str(cache))
+    if workers is not None:
+        env["DET_LAB_LIST_WORKERS"] = str(workers)
     if listed_before is not None:
         shutil.rmtree(cache, ignore_errors=True)
         if listed_before:
@@ -238,6 +241,8 @@ MEASURES = {
     "runs source, next read (nothing changed)": lambda c: time_source(c, "runs", again=True),
     "trackers source, a read": lambda c: time_source(c, "trackers"),
     "det-lab runs list, first listing (every run read)": lambda c: time_cli(c, "runs", "list", listed_before=False),
+    "det-lab runs list, first listing, read by this process alone (DET_LAB_LIST_WORKERS=1)":
+        lambda c: time_cli(c, "runs", "list", listed_before=False, workers=1),
     "det-lab runs list, listed before (nothing changed)": lambda c: time_cli(c, "runs", "list", listed_before=True),
     "det-lab data list": lambda c: time_cli(c, "data", "list"),
     "det-lab tracking status": lambda c: time_cli(c, "tracking", "status"),
