@@ -481,6 +481,29 @@ def test_untracked_files_in_a_subdirectory_and_binary_are_rebuilt_with_a_constan
     assert calls() == few and len(few) <= 4
 
 
+def test_an_untracked_file_gone_before_git_adds_it_leaves_out_itself_alone(tmp_path, monkeypatch):
+    """A file deleted between git listing it and the patch being made (here by a git wrapper, just
+    before ``git add``): the batch is refused, and the patch holds every other untracked file."""
+    from det_lab.trials.provenance import working_changes
+
+    repo = tmp_path / "code"
+    repo.mkdir()
+    (repo / "train.py").write_text("x = 1\n")
+    git(repo, "init", "--quiet")
+    git(repo, "add", ".")
+    git(repo, "commit", "--quiet", "-m", "c")
+    for name in ("a_first.py", "b_gone.py", "c_last.py"):
+        (repo / name).write_text(f"NAME = {name!r}\n")
+    shim = tmp_path / "bin" / "git"
+    shim.parent.mkdir()
+    shim.write_text(f'#!/bin/sh\n[ "$1" = add ] && rm -f {repo / "b_gone.py"}\nexec {shutil.which("git")} "$@"\n')
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+    patch, size = working_changes(repo)
+    assert size == len(patch)
+    assert b"+NAME = 'a_first.py'" in patch and b"+NAME = 'c_last.py'" in patch and b"b_gone" not in patch
+
+
 def test_refuses_a_checkpoint_determined_wrote_without_det_lab(tmp_path):
     """A checkpoint whose metadata.json is Determined's own (no ``det_lab`` lineage) is named as such."""
     from det_lab.reproduce.find import ReproduceError, locate

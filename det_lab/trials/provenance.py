@@ -62,7 +62,10 @@ def working_changes(root: Path, cap: int = PATCH_CAP) -> tuple[bytes, int]:
         return tracked, len(tracked)
     if len(tracked) > cap:
         return tracked, len(tracked) + _sizes(root, untracked)
-    added, started = _untracked_diff(root, untracked, cap - len(tracked))
+    diffed = _untracked_diff(root, untracked, cap - len(tracked))
+    if diffed is None:  # git refused the batch (a file gone since it was listed): file by file
+        diffed = _untracked_one_by_one(root, untracked, cap - len(tracked))
+    added, started = diffed
     total = len(tracked) + len(added)
     if total > cap:  # cut short: the files git had not reached count by their size
         total += _sizes(root, untracked[started:])
@@ -79,11 +82,31 @@ def _sizes(root: Path, names: list[str]) -> int:
     return total
 
 
-def _untracked_diff(root: Path, names: list[str], budget: int) -> tuple[bytes, int]:
+def _untracked_one_by_one(root: Path, names: list[str], budget: int) -> tuple[bytes, int]:
+    """:func:`_untracked_diff` with one ``git diff --no-index`` per file: a file that cannot be
+    diffed (gone, unreadable) is left out alone, not every file with it."""
+    parts: list[bytes] = []
+    size = 0
+    for started, name in enumerate(names):
+        if size > budget:
+            return b"".join(parts), started
+        try:
+            proc = subprocess.run(["git", "diff", "--binary", "--no-index", "--", "/dev/null", name], cwd=root,
+                                  capture_output=True, check=False, timeout=_GIT_TIMEOUT, env={**os.environ, **_GIT_ENV})
+        except (OSError, subprocess.SubprocessError):
+            continue
+        if proc.returncode == 1:  # --no-index: 1 is "they differ", the diff is there
+            parts.append(proc.stdout)
+            size += len(proc.stdout)
+    return b"".join(parts), len(names)
+
+
+def _untracked_diff(root: Path, names: list[str], budget: int) -> tuple[bytes, int] | None:
     """The new-file diffs of untracked ``names`` (in git's path order, as ``ls-files`` lists them)
     and how many of them it began: they are added with ``--intent-to-add`` to a scratch index
     (the repository's own is left alone) and diffed in one ``git diff --binary``, whose output is
-    read only while it stays within ``budget`` bytes (git is stopped past it)."""
+    read only while it stays within ``budget`` bytes (git is stopped past it). None when git
+    refuses them (one of them gone since it was listed)."""
     with tempfile.TemporaryDirectory(prefix="det-lab-patch-") as scratch:
         env = {**os.environ, **_GIT_ENV, "GIT_INDEX_FILE": os.path.join(scratch, "index"),
                "GIT_LITERAL_PATHSPECS": "1"}  # a name with '*' or ':' is a file, not a pattern
@@ -93,11 +116,11 @@ def _untracked_diff(root: Path, names: list[str], budget: int) -> tuple[bytes, i
                                     "--pathspec-file-nul"], cwd=root, input=paths, capture_output=True,
                                    check=False, timeout=_GIT_TIMEOUT, env=env)
             if added.returncode != 0:
-                return b"", 0
+                return None
             proc = subprocess.Popen(["git", "diff", "--binary"], cwd=root, env=env,
                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError):
-            return b"", 0
+            return None
         timer = threading.Timer(_GIT_TIMEOUT, proc.kill)
         timer.start()
         chunks: list[bytes] = []
@@ -115,7 +138,7 @@ def _untracked_diff(root: Path, names: list[str], budget: int) -> tuple[bytes, i
             code = proc.wait()
     out = b"".join(chunks)
     if size <= budget and code != 0:
-        return b"", 0
+        return None
     started = out.count(b"\ndiff --git ") + out.startswith(b"diff --git ")
     return out, started
 
