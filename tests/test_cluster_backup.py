@@ -445,6 +445,15 @@ def test_backup_timer_units_are_written_whole_with_the_mode_they_had(cl, tmp_pat
     assert stat.S_IMODE((units / names[0]).stat().st_mode) == 0o640
     assert stat.S_IMODE((units / names[1]).stat().st_mode) == new_mode
 
+    # a unit kept elsewhere and linked into the directory stays a link; its target is rewritten
+    kept = tmp_path / "kept" / names[1]
+    kept.parent.mkdir()
+    (units / names[1]).rename(kept)
+    (units / names[1]).symlink_to(kept)
+    assert cli(cl, "cluster", "backup-timer", "--out", str(units), "--user", "root").returncode == 0
+    assert (units / names[1]).is_symlink() and (units / names[1]).resolve() == kept
+    assert kept.read_text() == before[names[1]] and sorted(p.name for p in kept.parent.iterdir()) == [names[1]]
+
 
 def test_doctor_ages_the_master_databases_backups_only(tmp_path):
     """A fresh backup of another database in the same directory does not hide a stale one of the master's."""

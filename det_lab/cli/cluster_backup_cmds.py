@@ -85,7 +85,9 @@ def backup_timer(
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
-            atomic_write_text(out / name, text, mode=_unit_mode(out / name))
+            path = out / name
+            path = path.resolve() if path.is_symlink() else path  # a linked unit stays linked: its target is rewritten
+            atomic_write_text(path, text, mode=_unit_mode(path))
     except OSError as exc:
         fail(f"cannot write to {out}: {exc.strerror or exc}")
     console.print(f"wrote {', '.join(files)} to {out}; enable with: systemctl daemon-reload && "
