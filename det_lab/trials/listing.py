@@ -130,7 +130,8 @@ def listing_workers() -> int:
     process may use, at most 8."""
     from det_lab.settings import env_value
 
-    return max(int(env_value("DET_LAB_LIST_WORKERS", min(len(os.sched_getaffinity(0)), 8))), 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(int(env_value("DET_LAB_LIST_WORKERS", min(cpus, 8))), 1)
 
 
 def _read_entries(directories: list[str]) -> list[dict[str, Any] | str | None]:
