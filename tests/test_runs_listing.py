@@ -210,7 +210,8 @@ def test_runs_read_by_worker_processes_are_the_runs_read_alone(tmp_path, monkeyp
     pids = {e.pop("pid") for e in side_by_side if isinstance(e, dict)}
     assert len(pids) == 2 and os.getpid() not in pids  # read by two workers, not by this process
     assert side_by_side == alone
-    assert sum(isinstance(e, str) and "damaged run record" in e for e in alone) == len(range(0, len(dirs), 97))
+    assert sum(isinstance(e, tuple) and e[0] == "damaged" and "damaged run record" in e[1] for e in alone) == \
+        len(range(0, len(dirs), 97))
 
 
 def test_runs_list_with_workers_prints_what_it_prints_without(lab):
@@ -248,3 +249,85 @@ def test_a_diverged_validation_loss_is_listed_as_nan_from_the_files_and_from_the
     listed = again.read_all(runs)
     assert again.read_again == 0  # both from the cache
     assert math.isnan(listed[0].validation["val_loss"]) and listed[1].validation == {"val_loss": 0.125}
+
+
+def _as_nobody(work):
+    """``work()`` in a child process that has dropped to the user nobody (forked: this interpreter
+    lives under /root, which nobody may not enter), its result pickled back."""
+    import pickle
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(nobody.pw_gid)
+            os.setuid(nobody.pw_uid)
+            with os.fdopen(write, "wb") as out:
+                try:
+                    pickle.dump(("ok", work()), out)
+                except BaseException as exc:  # noqa: BLE001 - said in the parent
+                    pickle.dump(("raised", repr(exc)), out)
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    how, result = pickle.loads(data)
+    assert how == "ok", f"as nobody: {result}"
+    return result
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="becoming the user nobody needs root")
+def test_another_members_unreadable_run_is_listed_as_such_and_the_rest_as_they_are(tmp_path):
+    """A second Unix user lists a volume where one run.json is private to its owner: that run says
+    unreadable (runs list) and is counted so (the exporter, with no scrape error); the rest read."""
+    import shutil
+    import tempfile
+
+    from det_lab.monitoring.runs import RunsSource
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+
+    shared = Path(tempfile.mkdtemp(prefix="det-lab-shared-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        config = shared / "lab.yaml"
+        config.write_text(f"data_root: {shared / 'data'}\ntracking: {{backend: none}}\n")
+        settings = load_settings(config, env={})
+        init_volume(settings)
+        runs = []
+        for name, step in (("open-a", 11), ("private", 22), ("open-b", 33)):
+            run = LocalRunRecord(shared / "data" / "outputs" / "vla" / "local-runs" / name)
+            run.dir.mkdir(parents=True)
+            run.save({"name": name, "template": "vla", "max_length": 40})
+            run.append_metrics("training", step, {"loss": 1.0})
+            run.record_end(status="finished")
+            for path in [*shared.rglob("*")]:
+                path.chmod(0o755 if path.is_dir() else 0o644)
+            runs.append(run)
+        runs[1].run_file.chmod(0o600)
+
+        def listed() -> list:
+            cache = ListingCache(settings.data_root)
+            cache.path = shared / "nobody-cache.json"
+            return [(x.status, str(x)) if isinstance(x, listing.Unlisted) else (x.state["status"], x.step)
+                    for x in cache.read_all(runs)]
+
+        def exported() -> dict:
+            (source,) = [RunsSource(settings)]
+            families = {m.name: m for m in source.collect()}
+            return {s.labels["status"]: s.value for s in families["det_lab_runs"].samples}
+
+        shared.chmod(0o777)  # where nobody may write its cache
+        rows = _as_nobody(listed)
+        assert rows[0] == ("finished", 11) and rows[2] == ("finished", 33)
+        assert rows[1][0] == "unreadable" and str(runs[1].run_file) in rows[1][1]
+        assert _as_nobody(exported) == {"finished": 2, "unreadable": 1}
+        assert [r[0] for r in listed()] == ["finished"] * 3  # its owner reads it
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

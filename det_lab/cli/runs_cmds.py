@@ -94,18 +94,9 @@ def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | 
 
 def run_owner(run: LocalRunRecord, st: dict) -> str:
     """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
-    return st.get("user") or _user_name(run.run_file.stat().st_uid, {})
+    from det_lab.trials.listing import user_name
 
-
-def _user_name(uid: int, known: dict[int, str]) -> str:
-    import pwd
-
-    if uid not in known:
-        try:
-            known[uid] = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            known[uid] = str(uid)
-    return known[uid]
+    return st.get("user") or user_name(run.run_file.stat().st_uid, {})
 
 
 def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str | None:
@@ -132,20 +123,20 @@ def list_runs(
             settings.project(project)
         except ValueError as exc:
             fail(str(exc))
-    from det_lab.trials.listing import Listed, ListingCache
+    from det_lab.trials.listing import Listed, ListingCache, Unlisted, user_name
 
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
     rows: list = []
     runs = all_runs(settings, project, ordered=False, probe=False)  # ordered below, by what was stat'ed
     for run, listed in zip(runs, cache.read_all(runs)):  # re-read only where the files changed
-        if isinstance(listed, ValueError):  # one damaged run.json: said, and listed as such
+        if isinstance(listed, Unlisted):  # one damaged or unreadable run.json: said, and listed as such
             err_console.print(f"warning: {listed}", style="yellow", highlight=False, markup=False)
-            listed = Listed({"name": run.dir.name, "status": "damaged"}, 0, {}, run.run_file.stat().st_uid, 0)
+            listed = Listed({"name": run.dir.name, "status": listed.status}, 0, {}, run.run_file.stat().st_uid, 0)
         if listed is None:  # deleted since it was found
             continue
         st = listed.state
-        owner = st.get("user") or _user_name(listed.uid, owners)
+        owner = st.get("user") or user_name(listed.uid, owners)
         if user and owner != user:
             continue
         job = _slurm_job(run, st)  # asked once, for the status and the reason it waits

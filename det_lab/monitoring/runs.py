@@ -15,18 +15,17 @@ run's submitter), else the owner of its run.json, as ``runs list`` says.
 from __future__ import annotations
 
 import os
-import pwd
 import time
 from collections import Counter
-from dataclasses import dataclass
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.trials import record as records
-from det_lab.trials.listing import read_signed, shown_state, stat_signature
+from det_lab.trials.listing import read_signed, shown_state, stat_signature, user_name
 from det_lab.trials.record import METRICS_FILE, RUN_FILE
 from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout
@@ -41,22 +40,13 @@ def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
         yield cls.kind, directory
 
 
-def _user(uid: int, cache: dict[int, str]) -> str:
-    if uid not in cache:
-        try:
-            cache[uid] = pwd.getpwuid(uid).pw_name
-        except KeyError:
-            cache[uid] = str(uid)
-    return cache[uid]
-
-
 @dataclass(frozen=True)
 class _Seen:
     """What a refresh keeps of one run.json, under its signature."""
 
     signature: list[int]
     template: str
-    status: str  # run.json's; "damaged" when it cannot be read
+    status: str  # run.json's; "damaged" or "unreadable" when it cannot be read
     user: str
 
 
@@ -72,19 +62,25 @@ class RunsSource(VolumeReader):
 
     def _state(self, path: str) -> _Seen | None:
         """The run.json at ``path``, read again only when it changed; None when it is gone."""
+        signature = stat_signature(path)
         known = self._seen.get(path)
-        if known is not None and known.signature == stat_signature(path):
+        if known is not None and known.signature == signature:
             return known
-        read = read_signed(path)
+        if signature is None:
+            return None
+        try:
+            read = read_signed(path)
+        except OSError:  # another member's run.json this exporter may not read: counted, not a failed source
+            return _Seen(signature, "", "unreadable", user_name(signature[3], self._users))
         if read is None:
             return None
         data, signature = read
         try:
             state = shown_state(data, path)
             seen = _Seen(signature, str(state.get("template") or ""), str(state.get("status") or ""),
-                         str(state.get("user") or _user(signature[3], self._users)))
+                         str(state.get("user") or user_name(signature[3], self._users)))
         except ValueError:
-            seen = _Seen(signature, "", "damaged", _user(signature[3], self._users))
+            seen = _Seen(signature, "", "damaged", user_name(signature[3], self._users))
         self._seen[path] = seen
         return seen
 
@@ -104,7 +100,7 @@ class RunsSource(VolumeReader):
                     continue
                 listed.add(key)
                 status = seen.status
-                if kind == "local" and status != "damaged":
+                if kind == "local" and status not in ("damaged", "unreadable"):
                     status = training_status({"status": status}, directory)
                 status = status or "created"
                 counts[(project, kind, seen.template, status)] += 1

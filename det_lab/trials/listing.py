@@ -18,6 +18,7 @@ import hashlib
 import json
 import math
 import os
+import pwd
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -41,6 +42,16 @@ class Listed(NamedTuple):  # one per run of a listing of thousands: a tuple, not
     uid: int
     #: when run.json was last written (ns)
     changed: int
+
+
+def user_name(uid: int, known: dict[int, str]) -> str:
+    """The login name of ``uid`` (its number where it has none), remembered in ``known``."""
+    if uid not in known:
+        try:
+            known[uid] = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            known[uid] = str(uid)
+    return known[uid]
 
 
 def _signature(st: os.stat_result) -> list[int]:
@@ -113,12 +124,22 @@ def read_entry(directory: str) -> dict[str, Any] | None:
     return {"key": [read[1], metrics_key], "state": state, "step": step, "validation": validation}
 
 
-def _entry_or_error(directory: str) -> dict[str, Any] | str | None:
-    """:func:`read_entry` for a worker process: a damaged run.json's error as its message."""
+class Unlisted(ValueError):
+    """A run a listing cannot show: its run.json ``damaged`` or ``unreadable`` (``status``)."""
+
+    def __init__(self, status: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _entry_or_error(directory: str) -> dict[str, Any] | tuple[str, str] | None:
+    """:func:`read_entry` for a worker process: a run it cannot read as ``(status, message)``."""
     try:
         return read_entry(directory)
     except ValueError as exc:
-        return str(exc)
+        return "damaged", str(exc)
+    except OSError as exc:  # another member's run.json this user may not read
+        return "unreadable", f"{os.path.join(directory, RUN_FILE)}: cannot be read ({exc.strerror or exc})"
 
 
 #: below this many runs to read, a listing reads them itself (starting workers costs more)
@@ -192,10 +213,10 @@ class ListingCache:
             self.read_again += 1
         return self._listed(directory, entry)
 
-    def read_all(self, runs: list[LocalRunRecord]) -> list[Listed | ValueError | None]:
-        """:meth:`read` of each run, in order (a damaged run.json: its ``ValueError``, not raised);
+    def read_all(self, runs: list[LocalRunRecord]) -> list[Listed | Unlisted | None]:
+        """:meth:`read` of each run, in order (one it cannot read: an :class:`Unlisted`, not raised);
         the runs not in the cache are read side by side when there are many (:func:`_read_entries`)."""
-        out: list[Listed | ValueError | None] = [None] * len(runs)
+        out: list[Listed | Unlisted | None] = [None] * len(runs)
         missed: list[int] = []
         for i, run in enumerate(runs):
             entry = self._unchanged(str(run.dir))
@@ -204,8 +225,8 @@ class ListingCache:
             else:
                 out[i] = self._listed(str(run.dir), entry)
         for i, entry in zip(missed, _read_entries([str(runs[i].dir) for i in missed])):
-            if isinstance(entry, str):
-                out[i] = ValueError(entry)
+            if isinstance(entry, tuple):
+                out[i] = Unlisted(*entry)
             elif entry is not None:
                 self.read_again += 1
                 out[i] = self._listed(str(runs[i].dir), entry)
