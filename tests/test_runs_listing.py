@@ -180,6 +180,15 @@ def test_runs_list_names_a_damaged_run_json_and_lists_every_other_run(lab):
     assert rows == {"r0": ("finished", 3), "r1": ("damaged", 0), "r2": ("finished", 5)}
     (warning,) = proc.stderr.strip().splitlines()
     assert str(runs / "r1" / "run.json") in warning and "damaged run record" in warning
+    table = subprocess.run([str(VENV_BIN / "det-lab"), "runs", "list"], env=lab.env, capture_output=True, text=True)
+    assert [line.split()[:4] for line in table.stdout.splitlines()[1:]] == [
+        ["r0", "local", "finished", "3/10"], ["r2", "local", "finished", "5/10"], ["r1", "local", "damaged", "0/?"]]
+    # (oldest run.json first: r1's was cut last)
+    for command in ("show", "cancel"):  # the run itself: one line naming the file, no traceback
+        one = subprocess.run([str(VENV_BIN / "det-lab"), "runs", command, "r1"], env=lab.env, capture_output=True,
+                             text=True)
+        assert one.returncode == 1 and one.stderr.count("\n") == 1, one.stderr
+        assert one.stderr.startswith("error: ") and str(runs / "r1" / "run.json") in one.stderr
 
 
 def _many_runs(root: Path, n: int) -> list[Path]:

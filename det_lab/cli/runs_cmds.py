@@ -42,6 +42,14 @@ def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
     fail(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
 
 
+def read_state(run: LocalRunRecord) -> dict:
+    """``run``'s run.json; a damaged one is one error line naming it (exit 1)."""
+    try:
+        return run.state()
+    except ValueError as exc:
+        fail(str(exc), 1)
+
+
 def _where(run: LocalRunRecord, st: dict) -> str:
     slurm = st.get("slurm") or {}
     if not slurm:
@@ -132,7 +140,12 @@ def list_runs(
     for run, listed in zip(runs, cache.read_all(runs)):  # re-read only where the files changed
         if isinstance(listed, Unlisted):  # one damaged or unreadable run.json: said, and listed as such
             err_console.print(f"warning: {listed}", style="yellow", highlight=False, markup=False)
-            listed = Listed({"name": run.dir.name, "status": listed.status}, 0, {}, run.run_file.stat().st_uid, 0)
+            try:
+                kept = run.run_file.stat()
+                uid, changed = kept.st_uid, kept.st_mtime_ns
+            except OSError:  # a run directory this user may not enter
+                uid, changed = -1, 0
+            listed = Listed({"name": run.dir.name, "status": listed.status}, 0, {}, uid, changed)
         if listed is None:  # deleted since it was found
             continue
         st = listed.state
@@ -155,7 +168,8 @@ def list_runs(
     for r in rows:
         metric = f"{r['metric'][0]}={r['metric'][1]:.4g}" if r["metric"] else ""
         status = f"{r['status']}: {r['waiting']}" if r["waiting"] else r["status"]
-        table.append((r["name"], r["kind"], status, f"{r['step']}/{r['of']}", metric, r["where"]))
+        table.append((r["name"], r["kind"], status, f"{r['step']}/{r['of'] if r['of'] is not None else '?'}", metric,
+                      r["where"]))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
     typer.echo("".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() + "\n" for row in table),
                nl=False)
@@ -167,7 +181,7 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
     from rich.table import Table
 
     run = find_run(state(ctx).settings, name)
-    st = run.state()
+    st = read_state(run)
     step, val = run.progress()
     job = _slurm_job(run, st)
     table = Table(title=f"{st['name']} ({run.kind}): {live_status(run, st, job)}", show_header=False,
@@ -238,7 +252,7 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     from det_lab.slurm.record import SlurmRunRecord
 
     run = find_run(state(ctx).settings, name)
-    st = run.state()
+    st = read_state(run)
     if st.get("status") in ENDED:
         fail(f"run {name} already ended ({st['status']}); nothing to cancel")
     if not isinstance(run, SlurmRunRecord) or not run.job_id():
