@@ -276,7 +276,15 @@ def test_usage_lists_every_run_joined_to_its_record_and_adds_up(acct):
     ids = {_state(r)["slurm"]["job_id"]: r for r in (first, second)}
     wait_until(lambda: sacct(cluster, acct["a_job"]).get(acct["a_job"], {}).get("state") == "COMPLETED", 60,
                "A's job in sacct")
-    report = json.loads(lab.cli("usage", "--since", "1h", "--json", check=True).stdout)
+    damaged = lab.root / "outputs" / "vla" / "local-runs" / "cut-short"  # another run's record, cut short
+    damaged.mkdir(parents=True)
+    (damaged / "run.json").write_text('{"name": "cut-short", "exp_conf": {"na')
+    try:
+        usage = lab.cli("usage", "--since", "1h", "--json", check=True)
+    finally:
+        shutil.rmtree(damaged)
+    assert usage.stderr.count("warning:") == 1 and str(damaged / "run.json") in usage.stderr
+    report = json.loads(usage.stdout)
     by_id = {j["job_id"]: j for j in report["jobs"]}
     for job_id, run_dir in ids.items():
         j, st = by_id[job_id], _state(run_dir)

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, err_console, fail, state
 
 
 def usage(
@@ -40,7 +40,11 @@ def usage(
 
     def records():  # each run.json read once; the order does not matter to the join
         for run in all_runs(settings, ordered=False):
-            st = run.state()
+            try:
+                st = run.state()
+            except ValueError as exc:  # one damaged run.json: its jobs go unjoined, said once
+                err_console.print(f"warning: {exc}", style="yellow", highlight=False, markup=False)
+                continue
             project = ((st.get("exp_conf") or {}).get("data", {}).get("det_lab", {}) or {}).get("project")
             yield st, local_checkpoint_dir(settings, project, st.get("exp_conf")) if project else None
 
