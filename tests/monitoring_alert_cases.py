@@ -129,6 +129,15 @@ CASES = [
      ], 18, {**LAB, "project": "vla", "run": "run-a", "kind": "slurm", "template": "vla", "user": "alice",
              "severity": "warning"},
      "running run run-a of user alice (slurm) has reported no metric for 36m 0s", 25),
+    ("RunDied", [  # run-c died at minute 5 (last metric 2 min before) and was resumed at 20; run-d trains on
+        series("det_lab_run_died_seconds", {**LAB, "project": "isaac", "run": "run-c", "kind": "local",
+                                            "template": "isaac", "user": "carol"}, "_x5 120+60x15"),
+        series("det_lab_run_last_metric_age_seconds", {**LAB, "project": "isaac", "run": "run-d", "kind": "local",
+                                                       "template": "isaac", "user": "dave"}, "5x40"),
+     ], 10, {**LAB, "project": "isaac", "run": "run-c", "kind": "local", "template": "isaac", "user": "carol",
+             "severity": "warning"},
+     "run run-c of user carol died without recording an end (its trainer and det-lab run are gone; last metric "
+     "7m 0s ago): resume it with det-lab run --local --resume --run run-c", 30),
 ]
 
 

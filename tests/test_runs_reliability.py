@@ -335,6 +335,8 @@ def test_a_local_run_shows_running_while_it_trains_and_died_when_its_processes_v
     assert state(run_dir)["status"] == "running" and (run_dir / LOCK_NAME).exists()  # what it left
     assert listed() == "died"
     assert "died" in exported() and "running" not in exported()
+    died = [m for m in RunsSource(load_settings(lab.config, env={})).collect() if m.name == "det_lab_run_died_seconds"]
+    assert [(s.labels["run"], s.labels["user"], s.labels["kind"]) for s in died[0].samples] == [(name, "root", "local")]
 
     mark = trained_to(run_dir)
     resumed = start(lab, str(TINY), "--resume", "--run", name)

@@ -110,5 +110,9 @@ def alert_rules(t: Thresholds = Thresholds()) -> dict[str, Any]:
         _alert("RunSilent", f"det_lab_run_last_metric_age_seconds > {t.silent_minutes * 60}", "0m",
                "running run {{ $labels.run }} of user {{ $labels.user }} ({{ $labels.kind }}) has reported no metric "
                "for {{ $value | humanizeDuration }}"),
+        _alert("RunDied", "det_lab_run_died_seconds", "0m",
+               "run {{ $labels.run }} of user {{ $labels.user }} died without recording an end (its trainer and "
+               "det-lab run are gone; last metric {{ $value | humanizeDuration }} ago): resume it with det-lab run "
+               "--local --resume --run {{ $labels.run }}"),
     ]
     return {"groups": [{"name": "det-lab-alerts", "rules": rules}]}

@@ -31,6 +31,8 @@ from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout
 
 LIVE = {"running"}
+#: a local run whose trainer vanished without recording an end (run_guard.training_status)
+DIED = "died"
 
 
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
@@ -90,8 +92,10 @@ class RunsSource(VolumeReader):
         counts: Counter[tuple[str, str, str, str]] = Counter()
         now = time.time()
         listed: set[str] = set()
-        out.gauge("run_last_metric_age_seconds", "seconds since each running run last reported a metric",
-                  ["project", "run", "kind", "template", "user"])
+        labels = ["project", "run", "kind", "template", "user"]
+        out.gauge("run_last_metric_age_seconds", "seconds since each running run last reported a metric", labels)
+        out.gauge("run_died_seconds", "each local run whose trainer and det-lab run vanished without recording an "
+                  "end: seconds since its last metric", labels)
         for project in sorted(self.settings.projects):
             for kind, directory in run_files(self.layout, project):
                 key = os.path.join(directory, RUN_FILE)
@@ -104,12 +108,12 @@ class RunsSource(VolumeReader):
                     status = training_status({"status": status}, directory)
                 status = status or "created"
                 counts[(project, kind, seen.template, status)] += 1
-                if status in LIVE:
+                if status in LIVE or status == DIED:
                     try:
                         last = (directory / METRICS_FILE).stat().st_mtime
                     except FileNotFoundError:
                         last = seen.signature[2] / 1e9
-                    out.add("run_last_metric_age_seconds", "", {
+                    out.add("run_last_metric_age_seconds" if status in LIVE else "run_died_seconds", "", {
                         "project": project, "run": directory.name, "kind": kind, "template": seen.template,
                         "user": seen.user}, max(now - last, 0.0))
         self._seen = {k: v for k, v in self._seen.items() if k in listed}  # runs deleted since: forgotten
