@@ -24,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
+from det_lab.settings import LabSettings
 from det_lab.trials import record as records
 from det_lab.trials.listing import read_signed, shown_state, stat_signature, user_name
 from det_lab.trials.record import METRICS_FILE, RUN_FILE
@@ -57,7 +58,7 @@ class RunsSource(VolumeReader):
 
     name = "runs"
 
-    def __init__(self, settings, ttl: float = 15.0) -> None:
+    def __init__(self, settings: LabSettings, ttl: float = 15.0) -> None:
         super().__init__(settings, ttl)
         self._seen: dict[str, _Seen] = {}
         self._users: dict[int, str] = {}
