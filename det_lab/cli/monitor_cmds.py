@@ -134,9 +134,12 @@ def token(
     settings = state(ctx).settings
     url = master or settings.master_url
     if not url:
-        from det_lab.cluster.settings import default_cluster_file, load_cluster_settings
+        from det_lab.cluster.settings import ClusterConfigError, default_cluster_file, load_cluster_settings
         if default_cluster_file(settings).is_file():
-            url = load_cluster_settings(settings).master_url
+            try:
+                url = load_cluster_settings(settings).master_url
+            except ClusterConfigError as exc:
+                fail(f"{exc} (or pass --master http://host:8080)")
     if not url:
         fail("no master: pass --master http://host:8080 or set master_url in the lab config")
     user, password = os.environ.get("DET_USER"), os.environ.get("DET_PASS")
