@@ -140,31 +140,31 @@ def test_an_ended_run_is_listed_from_its_record_until_its_metrics_grow(tmp_path,
     reads: list[str] = []
     monkeypatch.setattr(listing, "read_signed", lambda path, read=listing.read_signed: reads.append(
         Path(path).name) or read(path))
-    listed = ListingCache(tmp_path).read(run)
+    (listed,) = ListingCache(tmp_path).read_all([run])
     assert (listed.step, listed.validation, listed.state["status"]) == (10, {"val_loss": 0.25}, "stopped")
     assert reads == ["run.json"]  # its metrics were not read
     run.update(status="running")  # resumed: run.json rewritten, the recorded end kept
     run.append_metrics("training", 15, {"loss": 0.1})
     reads.clear()
-    listed = ListingCache(tmp_path).read(run)
+    (listed,) = ListingCache(tmp_path).read_all([run])
     assert (listed.step, listed.validation, listed.state["status"]) == (15, {"val_loss": 0.25}, "running")
     assert reads == ["run.json", "metrics.jsonl"]
 
 
 @pytest.fixture
-def lab(tmp_path) -> Lab:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_"))}
-    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CACHE_HOME=str(tmp_path / "cache"), COLUMNS="200")
-    lab = Lab(root=tmp_path / "data", config=tmp_path / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "none"})
+def volume(lab: Lab, tmp_path) -> Lab:
+    """conftest's lab, its volume initialised and a listing cache of its own."""
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume
 
+    lab.env["XDG_CACHE_HOME"] = str(tmp_path / "cache")
+    lab.write_config(tracking={"backend": "none"})
     init_volume(load_settings(lab.config, env={}))
     return lab
 
 
-def test_runs_list_names_a_damaged_run_json_and_lists_every_other_run(lab):
+def test_runs_list_names_a_damaged_run_json_and_lists_every_other_run(volume):
+    lab = volume
     runs = lab.root / "outputs" / "vla" / "local-runs"
     for i in range(3):
         run = LocalRunRecord(runs / f"r{i}")
@@ -223,7 +223,8 @@ def test_runs_read_by_worker_processes_are_the_runs_read_alone(tmp_path, monkeyp
         len(range(0, len(dirs), 97))
 
 
-def test_runs_list_with_workers_prints_what_it_prints_without(lab):
+def test_runs_list_with_workers_prints_what_it_prints_without(volume):
+    lab = volume
     n = listing.PARALLEL_MIN + 20
     _many_runs(lab.root / "outputs" / "vla" / "local-runs", n)
     out = {}

@@ -328,7 +328,7 @@ def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkey
         run.append_metrics("training", i + 1, {"loss": 1.0})
         runs.append(run)
     first = ListingCache(tmp_path)
-    assert [first.read(r).step for r in runs] == [1, 2, 3]
+    assert [x.step for x in first.read_all(runs)] == [1, 2, 3]
     first.save(complete=True)
     assert "lineage" not in first.path.read_text()  # only what a listing shows is kept
 
@@ -338,10 +338,10 @@ def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkey
     monkeypatch.setattr(listing, "shown_state", lambda data, path, parse=listing.shown_state:
                         reads.append(Path(path).parent.name) or parse(data, path))
     second = ListingCache(tmp_path)
-    listed = [second.read(r) for r in runs]
+    listed = second.read_all(runs)
     assert reads == ["r0", "r1"]  # r2 came from the cache
     assert [x.state["status"] for x in listed] == ["finished", "running", "running"]
     assert listed[1].validation == {"val_loss": 0.5} and [x.step for x in listed] == [1, 2, 3]
 
     second.path.write_text("{not json")  # a damaged cache is read around
-    assert ListingCache(tmp_path).read(runs[2]).step == 3
+    assert ListingCache(tmp_path).read_all([runs[2]])[0].step == 3

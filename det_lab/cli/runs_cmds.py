@@ -256,7 +256,7 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     if st.get("status") in ENDED:
         fail(f"run {name} already ended ({st['status']}); nothing to cancel")
     if not isinstance(run, SlurmRunRecord) or not run.job_id():
-        _cancel_local(run, name)
+        _cancel_local(run, name, st)
         return
     try:
         submit.cancel(run.job_id())
@@ -266,7 +266,7 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
                   f"(resume it with: sbatch {run.job_script})", highlight=False)
 
 
-def _cancel_local(run, name: str) -> None:
+def _cancel_local(run, name: str, st: dict) -> None:
     """SIGTERM to the trial that holds the run's trainer lock: det_lab's preemption (checkpoint,
     stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
     import os
@@ -286,7 +286,7 @@ def _cancel_local(run, name: str) -> None:
     except PermissionError:
         fail(f"run {name} trains as pid {holder.pid} of another user: stop it as that user")
     console.print(f"asked run {name}'s trial (pid {holder.pid}) to checkpoint and stop "
-                  f"(resume it with: det-lab run {run.state().get('template', '<template>')} --local --resume "
+                  f"(resume it with: det-lab run {st.get('template', '<template>')} --local --resume "
                   f"--run {name})", highlight=False)
 
 

@@ -155,7 +155,7 @@ def listing_workers() -> int:
     return max(int(env_value("DET_LAB_LIST_WORKERS", min(cpus, 8))), 1)
 
 
-def _read_entries(directories: list[str]) -> list[dict[str, Any] | str | None]:
+def _read_entries(directories: list[str]) -> list[dict[str, Any] | tuple[str, str] | None]:
     """:func:`_entry_or_error` of each directory, in order; many are read by worker processes side
     by side (parsing thousands of records is CPU work, and on NFS each file waits on the network),
     and by this process alone when workers cannot start."""
@@ -200,22 +200,10 @@ class ListingCache:
             return hit
         return None
 
-    def read(self, run: LocalRunRecord) -> Listed | None:
-        """``run`` as a listing shows it, from the cache when neither of its files changed; None
-        when its run.json is gone (a run deleted since it was found). A damaged run.json is a
-        one-line ``ValueError`` naming it."""
-        directory = str(run.dir)
-        entry = self._unchanged(directory)
-        if entry is None:
-            entry = read_entry(directory)
-            if entry is None:
-                return None
-            self.read_again += 1
-        return self._listed(directory, entry)
-
     def read_all(self, runs: list[LocalRunRecord]) -> list[Listed | Unlisted | None]:
-        """:meth:`read` of each run, in order (one it cannot read: an :class:`Unlisted`, not raised);
-        the runs not in the cache are read side by side when there are many (:func:`_read_entries`)."""
+        """Each run as a listing shows it, in order: from the cache when neither of its files
+        changed, else read (side by side when there are many: :func:`_read_entries`); None for a
+        run deleted since it was found, an :class:`Unlisted` (not raised) for one it cannot read."""
         out: list[Listed | Unlisted | None] = [None] * len(runs)
         missed: list[int] = []
         for i, run in enumerate(runs):

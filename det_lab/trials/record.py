@@ -200,19 +200,19 @@ class RunRecord:
 
     def progress(self) -> tuple[int, dict[str, float]]:
         """Latest training step reported, and the latest validation metrics."""
+        return parse_progress(self._metrics_bytes())
+
+    def _metrics_bytes(self) -> bytes:
         try:
-            return parse_progress(self.metrics_file.read_bytes())
+            return self.metrics_file.read_bytes()
         except FileNotFoundError:
-            return 0, {}
+            return b""
 
     def record_end(self, **changes: Any) -> dict[str, Any]:
         """Update run.json with how the run ended (``status``, ...) and the progress it reached,
         under :data:`PROGRESS_KEY` with the size of ``metrics.jsonl`` it was read from: a listing
         takes it while the metrics keep that size (they only grow) instead of reading them."""
-        try:
-            data = self.metrics_file.read_bytes()
-        except FileNotFoundError:
-            data = b""
+        data = self._metrics_bytes()
         step, validation = parse_progress(data)
         return self.update(**changes, **{PROGRESS_KEY: {"step": step, "validation": validation,
                                                         "metrics_bytes": len(data)}})
@@ -378,12 +378,9 @@ def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
     """Every tracking journal on the volume: cluster trials' and local-style runs'."""
     for project in sorted(projects):
         yield from ClusterRunRecord.journals(layout, project)
-        for kind in SHIPPED_KINDS:
-            _load_kind(kind)
-        # one directory walk, not a record (and a stat or two) per run
-        yield from sorted({p.parent for cls in set(_KINDS.values())
-                           for p in cls.runs_root(layout, project).glob(f"*/{JOURNAL_DIR}/{RUN_FILE}")
-                           if not p.parents[1].name.startswith(".")})
+        # the run directories, then one stat each: not a record (and a run.json read) per run
+        yield from sorted(d / JOURNAL_DIR for d, _ in run_dirs(layout, project, probe=False)
+                          if os.path.exists(os.path.join(d, JOURNAL_DIR, RUN_FILE)))
 
 
 def record_for(layout: VolumeLayout, project: str, run_key: str, record_dir: Path | None) -> RunRecord:
