@@ -72,6 +72,7 @@ def config(
             typer.echo(text, nl=False)
         if slurm.accounting is not None:
             notes.append("slurmdbd.conf holds the database password: it is written only with --out (mode 0600)")
+        notes += accounting_notes(slurm, None)
     else:
         _write(out, files)
         written = list(files)
@@ -80,8 +81,6 @@ def config(
             written.append("slurmdbd.conf")
             notes += [n for n in (note,) if n] + accounting_notes(slurm, pw_file)
         console.print(f"wrote {', '.join(written)} to {out}", highlight=False)
-    if out is None:
-        notes += accounting_notes(slurm, None)
     for note in notes:
         err_console.print(f"note: {note}", highlight=False, soft_wrap=True)
 
