@@ -26,7 +26,8 @@ def usage(
         summarize,
     )
     from det_lab.cli.runs_cmds import all_runs
-    from det_lab.core import local_checkpoint_dir
+    from det_lab.trials.expconf import project_of
+    from det_lab.volume import VolumeLayout
 
     if as_json and as_csv:
         fail("pass --json or --csv, not both")
@@ -38,6 +39,8 @@ def usage(
     except UsageError as exc:
         fail(str(exc))
 
+    layout = VolumeLayout.from_settings(settings)
+
     def records():  # each run.json read once; the order does not matter to the join
         for run in all_runs(settings, ordered=False):
             try:
@@ -45,8 +48,8 @@ def usage(
             except ValueError as exc:  # one damaged run.json: its jobs go unjoined, said once
                 err_console.print(f"warning: {exc}", style="yellow", highlight=False, markup=False)
                 continue
-            project = ((st.get("exp_conf") or {}).get("data", {}).get("det_lab", {}) or {}).get("project")
-            yield st, local_checkpoint_dir(settings, project, st.get("exp_conf")) if project else None
+            conf = st.get("exp_conf") or {}
+            yield st, layout.experiment_checkpoints(project_of(conf), conf)
 
     jobs = join(jobs, records())
     summary = summarize(jobs, by)
