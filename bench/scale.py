@@ -180,7 +180,7 @@ def time_exporter(config: Path, measure: str) -> float:
     text = generate_latest(registry)
     seconds = time.perf_counter() - start
     collector.wait_refreshes()
-    assert b'det_lab_scrape_error{source="runs"} 0.0' in text, collector.last_errors
+    assert b'det_lab_scrape_error{source="runs"} 0.0' in text, collector.errors()
     return seconds
 
 

@@ -497,7 +497,7 @@ def test_missing_squeue_is_an_error_not_an_idle_cluster(lab, slurm_cluster):  # 
     registry, collector = registry_for([SlurmSource(env=env), VolumeSource(load_settings(lab.config, env={}))])
     text = generate_latest(registry).decode()
     assert {l["source"]: v for l, v in samples(text, "det_lab_scrape_error")} == {"slurm": 1, "volume": 0}
-    assert "squeue is not on PATH" in collector.last_errors["slurm"]
+    assert "squeue is not on PATH" in collector.errors()["slurm"]
     assert not [n for n, _, _ in parse_exposition(text) if n.startswith("det_lab_slurm_")]
     assert samples(text, "det_lab_volume_project_bytes")
 

@@ -43,7 +43,7 @@ def exporter(
             path = write_textfile(registry, textfile)
         except OSError as exc:
             fail(f"cannot write {textfile / 'det_lab.prom'}: {exc.strerror or exc}")
-        for name, why in collector.last_errors.items():
+        for name, why in collector.errors().items():
             console.print(f"source {name}: {why}", highlight=False)
         console.print(f"wrote {path}", highlight=False)
         return

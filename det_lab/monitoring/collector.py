@@ -97,7 +97,6 @@ class LabCollector(Collector):
         self._clock = clock
         self._cache = {s.name: _Cached() for s in self.sources}
         self._lock = threading.Lock()  # two scrapes at once read each slow source once
-        self.last_errors: dict[str, str] = {}
 
     def _read(self, source: Source) -> _Cached:
         cached = self._cache[source.name]
@@ -132,14 +131,11 @@ class LabCollector(Collector):
                                     labels=["source"])
         age = GaugeMetricFamily(PREFIX + "scrape_age_seconds",
                                 "how old the source's answer is (its ttl, plus a refresh under way)", labels=["source"])
-        self.last_errors = {}
         now = self._clock()
         for name, answer in answers.items():
             error.add_metric([name], 1.0 if answer.error else 0.0)
             seconds.add_metric([name], answer.seconds)
             age.add_metric([name], max(now - answer.at, 0.0))
-            if answer.error:
-                self.last_errors[name] = answer.error
         yield error
         yield seconds
         yield age
