@@ -426,3 +426,7 @@ def test_usage_join_reads_lineage_only_for_jobs_in_the_period_and_survives_damag
     jobs = join([job("8"), job("9"), job("10")], runs)
     assert [(j.run, j.dataset, j.code_commit) for j in jobs] == [
         ("now", "tiny", None), ("now", "tiny", None), (None, None, None)]
+    # a record edited by hand, its data section emptied to null (YAML's "data:"): joined, without a project
+    bare = {"name": "bare", "template": "t", "exp_conf": {"data": None}, "slurm": {"job_id": 11}}
+    (joined,) = join([job("11")], [(bare, None)])
+    assert (joined.run, joined.project, joined.dataset) == ("bare", None, None)

@@ -99,7 +99,7 @@ def sacct_jobs(since: dt.datetime, until: dt.datetime | None = None) -> list[Job
 def run_lineage(st: dict[str, Any], checkpoints_dir: Path | None) -> dict[str, str | None]:
     """A run record's (``st``: its run.json) name, template, project, dataset and code commit (the last
     two from its latest checkpoint's lineage, when it has one)."""
-    conf = (st.get("exp_conf") or {}).get("data", {}).get("det_lab", {})
+    conf = ((st.get("exp_conf") or {}).get("data") or {}).get("det_lab") or {}
     info: dict[str, str | None] = {"run": st.get("name"), "template": st.get("template"),
                                    "project": conf.get("project"), "dataset": conf.get("dataset"),
                                    "code_commit": None}
