@@ -277,26 +277,20 @@ def test_truncated_and_non_video_mp4(written: dict[str, Path], tmp_path: Path, d
     video = root / "videos" / CAMERA / "chunk-000/file-000.mp4"
     blob = video.read_bytes()
     video.write_bytes(blob[: len(blob) // 3])
-    ds = _with_decoder(LeRobotDataset(root), decoder)
+    ds = LeRobotDataset(root, video_decoder=decoder)
     message = _one_line_error(ds, len(ds) - 1)
     assert message.startswith(f"{video}: ") and "episode 2, frame 6" in message
 
     video.write_text("this is a text file, not a video\n")
-    ds = _with_decoder(LeRobotDataset(root), decoder)
+    ds = LeRobotDataset(root, video_decoder=decoder)
     message = _one_line_error(ds, 0)
     assert message.startswith(f"{video}: ") and "episode 0, frame 0" in message
-
-
-def _with_decoder(ds: LeRobotDataset, decoder: str) -> LeRobotDataset:
-    """The reader prefers torchcodec; PyAV is what it falls back to."""
-    ds.video_decoder = decoder
-    return ds
 
 
 def test_pyav_fallback_decodes_the_same_frames(written: dict[str, Path]) -> None:
     out = written["v3.0"] / "video"
     theirs = np.load(out / "lerobot_items.npz")[CAMERA]
-    ds = _with_decoder(LeRobotDataset(out / "dataset"), "pyav")
+    ds = LeRobotDataset(out / "dataset", video_decoder="pyav")
     rows = [0, 4, 5, len(ds) - 1]  # first and last frame of an episode, the next episode's first
     np.testing.assert_allclose(np.stack([ds[i][CAMERA] for i in rows]), theirs[rows], atol=2 / 255)
 
@@ -307,7 +301,7 @@ def test_video_shorter_than_its_metadata(written: dict[str, Path], tmp_path: Pat
     root = shutil.copytree(written["v2.1"] / "video" / "dataset", tmp_path / "ds")
     videos = root / "videos/chunk-000" / CAMERA
     shutil.copy(videos / "episode_000000.mp4", videos / "episode_000002.mp4")
-    ds = _with_decoder(LeRobotDataset(root), decoder)
+    ds = LeRobotDataset(root, video_decoder=decoder)
     start = ds.episodes[2].start
     ds[start + 4]  # within the short video
     message = _one_line_error(ds, start + 6)
