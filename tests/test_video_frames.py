@@ -168,6 +168,24 @@ def test_every_item_is_its_own_frame(written: dict[str, Path], name: str, decode
     assert not wrong, f"{len(wrong)} items are not their own frame (item, episode, frame, det_lab, LeRobot): {wrong[:5]}"
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
+@pytest.mark.parametrize("name", ["v30-15fps-av1", "v21-30fps"])
+def test_items_read_backwards_and_shuffled_are_their_own_frames(written: dict[str, Path], name: str,
+                                                               decoder: str) -> None:
+    """A training loader reads in random order: a step back (PyAV keeps the last two frames), a
+    jump back or far ahead (a seek), and on v2.1 ten video files for eight open places."""
+    ds = LeRobotDataset(written[name] / "dataset", video_decoder=decoder)
+    order = [*range(len(ds) - 1, -1, -1), *np.random.default_rng(0).permutation(len(ds)).tolist()]
+    wrong = []
+    for i in order:
+        item = ds[i]
+        expected = [[item["frame_index"], item["episode_index"], c] for c in range(len(CAMERAS))]
+        ours = [list(decode(item[cam])) for cam in CAMERAS]
+        if ours != expected:
+            wrong.append((i, ours, expected))
+    assert not wrong, f"{len(wrong)} of {len(order)} reads are not their own frame (item, det_lab, expected): {wrong[:5]}"
+
+
 def test_the_datasets_have_the_cases_that_broke(written: dict[str, Path]) -> None:
     """Episodes that start inside a file, and float32 timestamps a hair before their frame: with
     them, asking torchcodec for the frame *played at* the timestamp (the old reader) gets the
