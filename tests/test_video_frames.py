@@ -168,13 +168,15 @@ def test_every_item_is_its_own_frame(written: dict[str, Path], name: str, decode
     assert not wrong, f"{len(wrong)} items are not their own frame (item, episode, frame, det_lab, LeRobot): {wrong[:5]}"
 
 
+@pytest.mark.parametrize("tolerance_s", [video_mod.DEFAULT_TOLERANCE_S, 0.1])
 @pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("name", ["v30-15fps-av1", "v21-30fps"])
 def test_items_read_backwards_and_shuffled_are_their_own_frames(written: dict[str, Path], name: str,
-                                                               decoder: str) -> None:
+                                                               decoder: str, tolerance_s: float) -> None:
     """A training loader reads in random order: a step back (PyAV keeps the last two frames), a
-    jump back or far ahead (a seek), and on v2.1 ten video files for eight open places."""
-    ds = LeRobotDataset(written[name] / "dataset", video_decoder=decoder)
+    jump back or far ahead (a seek), and on v2.1 ten video files for eight open places. A loose
+    tolerance (0.1 s: 1.5 and 3 frames) still gives the nearest frame, not one within tolerance."""
+    ds = LeRobotDataset(written[name] / "dataset", video_decoder=decoder, tolerance_s=tolerance_s)
     order = [*range(len(ds) - 1, -1, -1), *np.random.default_rng(0).permutation(len(ds)).tolist()]
     wrong = []
     for i in order:

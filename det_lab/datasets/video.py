@@ -124,6 +124,13 @@ def nearest(ts: float, times: Sequence[float]) -> int:
     return min(range(len(times)), key=lambda k: (abs(times[k] - ts), k))
 
 
+def _sure(tolerance_s: float, interval: float) -> float:
+    """How far a timestamp may be from a frame for that frame to be surely the nearest, without
+    looking at its neighbours: within the tolerance, and within half a frame (``interval``: the
+    seconds between frames; 0.0 when unknown) for a tolerance looser than that."""
+    return min(tolerance_s, interval / 2)
+
+
 def _checked(path: Path, ts: float, found: float | None, end: float | None, tolerance_s: float) -> None:
     """Refuse ``ts`` unless the frame ``found`` (its time; None: no frame) is within tolerance;
     ``end``: where the video ends, when known."""
@@ -190,7 +197,7 @@ class _TorchcodecReader:
         # a video whose first frame is not at 0, or a timestamp rounding to the wrong side: look
         # at the neighbour on ts's side, so the nearest frame wins as in the PyAV path
         step = 1 if ts > float(frames[i].pts_seconds) else -1
-        if 0 <= i + step < f.count and abs(float(frames[i].pts_seconds) - ts) >= tolerance_s:
+        if 0 <= i + step < f.count and abs(float(frames[i].pts_seconds) - ts) >= _sure(tolerance_s, 1.0 / f.fps):
             frames[i + step] = f.decoder.get_frame_at(i + step)
         keys = sorted(frames)
         best = keys[nearest(ts, [float(frames[k].pts_seconds) for k in keys])]
@@ -212,6 +219,9 @@ class _PyAVFile:
             self.container.close()
             raise LeRobotDatasetError("no video stream")
         self.stream = self.container.streams.video[0]
+        rate = float(self.stream.average_rate or self.stream.guessed_rate or 0)
+        #: seconds between frames (0.0: unknown)
+        self.interval = 1.0 / rate if rate else 0.0
         self.frames: Any = None
         self.prev: Any = None
         self.cur: Any = None
@@ -229,7 +239,9 @@ class _PyAVFile:
     def around(self, ts: float, tolerance_s: float) -> list[Any]:
         """The decoded frames on either side of ``ts`` (one at the ends of the video)."""
         oldest = self.prev if self.prev is not None else self.cur
-        if (self.frames is None or oldest is None or ts < oldest.time - tolerance_s
+        # a step back within _sure() of the oldest frame kept is still that frame; farther back,
+        # an earlier frame (not kept) may be nearer: seek
+        if (self.frames is None or oldest is None or ts < oldest.time - _sure(tolerance_s, self.interval)
                 or ts > self.cur.time + _FORWARD_WINDOW_S):
             self._seek(ts)
         while not self.done and (self.cur is None or self.cur.time < ts):
@@ -257,7 +269,6 @@ class _PyAVReader:
         if not frames:
             _checked(path, ts, None, None, tolerance_s)
         best = frames[nearest(ts, [fr.time for fr in frames])]
-        rate = float(f.stream.average_rate or f.stream.guessed_rate or 0) or None
-        end = frames[-1].time + (1.0 / rate if rate else 0.0) if f.done else None
+        end = frames[-1].time + f.interval if f.done else None
         _checked(path, ts, best.time, end, tolerance_s)
         return best.to_ndarray(format="rgb24")
