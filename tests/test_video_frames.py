@@ -230,6 +230,38 @@ def test_a_timestamp_between_frames_is_refused(written: dict[str, Path], tmp_pat
     assert decode(LeRobotDataset(root, video_decoder=decoder, tolerance_s=0.5 / 15)[30][CAMERAS[0]]) == (7, 1, 0)
 
 
+def _write_with_pyav(path: Path, frames: int, first: int, fps: int = 30) -> None:
+    """An MPEG-4 video written by PyAV, not LeRobot, whose frame k (``encode(k, 0, 0)``) is
+    presented at ``(first + k) / fps``: its first frame is not at 0 s."""
+    import fractions
+
+    import av
+
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = W, H, "yuv420p"
+        stream.codec_context.time_base = fractions.Fraction(1, fps)
+        stream.options = {"qscale": "2"}
+        for k in range(frames):
+            frame = av.VideoFrame.from_ndarray(encode(k, 0, 0), format="rgb24")
+            frame.pts, frame.time_base = first + k, fractions.Fraction(1, fps)
+            container.mux(stream.encode(frame))
+        container.mux(stream.encode())
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_a_video_that_does_not_start_at_zero(tmp_path: Path, decoder: str) -> None:
+    """Each decoder reads the frame nearest each timestamp of a video whose first frame is at 0.1 s,
+    at LeRobot's tolerance and at one as wide as that offset (three frames)."""
+    path = tmp_path / "late.mp4"
+    _write_with_pyav(path, frames=20, first=3)
+    order = [0, 1, 2, 19, 18, 10, 4, 9, 3, 15, 14, 13, 5]
+    for tolerance_s in (video_mod.DEFAULT_TOLERANCE_S, 0.1):
+        read = video_mod.reader(decoder)
+        got = [decode(read.frame(path, float(np.float32((3 + k) / 30)), tolerance_s))[0] for k in order]
+        assert got == order, f"tolerance {tolerance_s}: frames {got} for timestamps of frames {order}"
+
+
 # --- a decoder that is installed but cannot load --------------------------------------------------------
 
 _NO_FFMPEG = """

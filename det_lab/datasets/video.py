@@ -175,6 +175,7 @@ class _TorchcodecFile:
         meta = self.decoder.metadata
         self.count = int(meta.num_frames or 0)
         self.fps = float(meta.average_fps or 0.0)
+        self.begin = float(meta.begin_stream_seconds or 0.0)
         self.end = meta.end_stream_seconds
 
     def close(self) -> None:
@@ -192,10 +193,10 @@ class _TorchcodecReader:
         if not f.count or not f.fps:
             _checked(path, ts, None, None, tolerance_s)  # raises: no frames
         end = float(f.end) if f.end is not None else None
-        i = min(max(round(ts * f.fps), 0), f.count - 1)
+        i = min(max(round((ts - f.begin) * f.fps), 0), f.count - 1)
         frames = {i: f.decoder.get_frame_at(i)}
-        # a video whose first frame is not at 0, or a timestamp rounding to the wrong side: look
-        # at the neighbour on ts's side, so the nearest frame wins as in the PyAV path
+        # frames not evenly spaced, or a timestamp rounding to the wrong side: unless frame i is
+        # surely the nearest, look at the neighbour on ts's side, so the nearest wins as in PyAV
         step = 1 if ts > float(frames[i].pts_seconds) else -1
         if 0 <= i + step < f.count and abs(float(frames[i].pts_seconds) - ts) >= _sure(tolerance_s, 1.0 / f.fps):
             frames[i + step] = f.decoder.get_frame_at(i + step)
