@@ -192,6 +192,10 @@ def test_compare_verdicts():
     shifted = compare(recs(1.0, 0.5, 0.25), [{"group": "training", "step": 10 * (i + 2), "metrics": {"loss": v}}
                                              for i, v in enumerate((1.0, 0.5, 0.25))])
     assert shifted.verdict == "diverged at step 10 (training/loss)"
+    # continued from the original's last checkpoint: no step left to compare is no reproduction
+    assert compare(recs(1.0, 0.5), recs(1.0, 0.5), from_step=20).verdict == \
+        "nothing to compare: the original run recorded no metrics after step 20"
+    assert compare([], []).verdict == "nothing to compare: the original run recorded no metrics"
     # a NaN or an infinity where the original had a number (or the reverse) is no tolerable difference
     for a, b in ((0.5, float("nan")), (float("nan"), 0.5), (float("inf"), 0.5), (0.5, float("-inf"))):
         assert compare(recs(1.0, a), recs(1.0, b), rtol=0.5).verdict == "diverged at step 20 (training/loss)"

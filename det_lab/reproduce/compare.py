@@ -36,8 +36,9 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        if not self.metrics:
-            return "nothing to compare: the original run recorded no metrics"
+        if not any(m.steps for m in self.metrics):  # e.g. continued from the original's last checkpoint
+            after = f" after step {self.from_step}" if self.from_step else ""
+            return f"nothing to compare: the original run recorded no metrics{after}"
         if self.diverged_at is not None:
             which = sorted(m.key for m in self.metrics if m.first_beyond == self.diverged_at)
             return f"diverged at step {self.diverged_at} ({', '.join(which)})"
