@@ -131,6 +131,22 @@ def test_reproduce_by_run_name_uses_old_code_and_old_data(moved):
     assert tags["det_lab.reproduces.run"] == "orig" and tags["code.commit"] == lab.first_commit
 
 
+def test_the_default_tolerance_tells_a_real_runs_neighbouring_steps_apart(world):
+    """orig's own metrics, each value moved one reporting step later (a logging off by one step):
+    each loss diverges at the first step compared (the epoch counter, the same over neighbouring
+    steps, is the one metric a shift may leave equal)."""
+    from det_lab.reproduce.compare import compare
+
+    records = [json.loads(line) for line in (runs_dir(world) / "orig" / "metrics.jsonl").read_text().splitlines()]
+    for group in sorted({r["group"] for r in records}):
+        mine = sorted((r for r in records if r["group"] == group), key=lambda r: r["step"])
+        later = [{**r, "step": nxt["step"]} for r, nxt in zip(mine, mine[1:])]
+        shifted = compare(mine, later, from_step=mine[0]["step"])  # the first step is missing from later
+        beyond = {m.key: m.first_beyond for m in shifted.metrics if m.key.endswith("loss")}
+        assert len(mine) >= 4 and beyond and set(beyond.values()) == {mine[1]["step"]}, shifted.as_dict()
+        assert shifted.verdict.startswith(f"diverged at step {mine[1]['step']} ")
+
+
 def test_continue_from_a_middle_checkpoint_uuid_with_an_environment_changed(moved):
     """Found by a checkpoint UUID, re-run from that checkpoint: equal to the original from that
     step on; one recorded version edited gives the difference table and still runs."""
