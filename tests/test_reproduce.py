@@ -171,6 +171,17 @@ def test_continue_from_a_middle_checkpoint_uuid_with_an_environment_changed(move
     assert min(m[1] for m in after) == 50
 
 
+def test_continue_from_the_last_checkpoint_has_nothing_to_compare(moved):
+    """--continue from orig's latest checkpoint, at its last step: no step is left to compare,
+    and the verdict says so rather than that the run reproduced."""
+    lab = moved
+    last = state(lab, "orig")["latest_checkpoint_step"]
+    assert last == max(m[1] for m in losses(lab, "orig"))
+    out, new = reproduce(lab, "orig", "--continue")
+    assert f"verdict: nothing to compare: the original run recorded no metrics after step {last}" in out
+    assert "reproduced" not in new["reproduction"]["verdict"]
+
+
 def test_a_run_that_does_not_reproduce_says_where_it_diverged(moved):
     """A copy of ``orig`` whose recorded val_loss at step 60 was changed: the re-run diverges there."""
     lab = moved
