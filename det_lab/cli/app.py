@@ -14,7 +14,8 @@ from det_lab.cli import runs_cmds, slurm_cmds
 from det_lab.cli import usage_cmd
 from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
-from det_lab.cli.common import State
+from det_lab.cli.common import State, report_user_error
+from det_lab.errors import UserError
 from det_lab.volume import share_with_group
 
 app = typer.Typer(
@@ -64,4 +65,7 @@ app.command()(reproduce_cmd.reproduce)
 
 def main() -> None:
     share_with_group()  # what det-lab and its trials write on the volume stays the group's
-    app()
+    try:
+        app()
+    except UserError as exc:  # raised by a package below cli/: one line, no traceback
+        report_user_error(exc)

@@ -51,6 +51,15 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise typer.Exit(code)
 
 
+def report_user_error(exc: BaseException, code: int = 2) -> NoReturn:
+    """Print a :class:`~det_lab.errors.UserError` as the one ``error:`` line and exit with ``code``
+    (for the entry point, outside typer's own handling of ``typer.Exit``)."""
+    from rich.markup import escape
+
+    err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    raise SystemExit(code)
+
+
 def viewer_command(backend: str, target: str) -> str:
     """How to look at a run's metrics in ``backend``'s UI, given where they were delivered."""
     if backend == "mlflow":
