@@ -18,34 +18,13 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families
+from det_lab.nvml import GpuReading, read_gpus
 
 _CONTAINER = re.compile(r"(?:docker-|/docker/|cri-containerd-|/containerd/)([0-9a-f]{64})")
 #: environment variables that name what a process belongs to
 SLURM_JOB_ENV = "SLURM_JOB_ID"
 LOCAL_RUN_ENV = "DET_LAB_LOCAL_RUN"  # det_lab.trials.identity.LOCAL_RUN_ENV: the run's run.json
 DET_TASK_ENV = "DET_TASK_ID"
-
-
-def _nvml():
-    """pynvml, initialised; None where there is no NVIDIA driver."""
-    try:
-        import pynvml
-    except ImportError:
-        return None
-    try:
-        pynvml.nvmlInit()
-    except (pynvml.NVMLError_LibraryNotFound, pynvml.NVMLError_DriverNotLoaded):
-        return None
-    return pynvml
-
-
-def _compute_processes(nvml, handle) -> list:
-    """The GPU's compute processes; a driver before R510 has the ``_v2`` call (same struct), not the ``_v3``
-    nvidia-ml-py calls."""
-    try:
-        return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except (nvml.NVMLError_FunctionNotFound, getattr(nvml, "NVMLLibraryMismatchError", ())):
-        return nvml.nvmlDeviceGetComputeRunningProcesses_v2(handle)
 
 
 def process_owner(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
@@ -85,35 +64,20 @@ class GpuSource:
         self.host = host or socket.gethostname().split(".")[0]
 
     def collect(self) -> Iterable[Metric]:
-        nvml = _nvml()
-        if nvml is None:
-            return []
         out = Families()
-        try:
-            for index in range(nvml.nvmlDeviceGetCount()):
-                self._device(out, nvml, index)
-        finally:
-            nvml.nvmlShutdown()
+        for reading in read_gpus():
+            self._device(out, reading)
         return list(out)
 
-    def _device(self, out: Families, nvml, index: int) -> None:
-        handle = nvml.nvmlDeviceGetHandleByIndex(index)
-        uuid = nvml.nvmlDeviceGetUUID(handle)
-        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-        model = nvml.nvmlDeviceGetName(handle)
-        gpu = {"host": self.host, "gpu": str(index), "uuid": uuid}
-        out.add("gpu_info", "1 per GPU NVML sees", {**gpu, "model": model.decode() if isinstance(model, bytes) else model}, 1)
-        util = nvml.nvmlDeviceGetUtilizationRates(handle)
-        out.add("gpu_utilization_ratio", "fraction of the last sample period a kernel ran", gpu, util.gpu / 100.0)
-        mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-        out.add("gpu_memory_used_bytes", "GPU memory in use", gpu, mem.used)
-        out.add("gpu_memory_total_bytes", "GPU memory in all", gpu, mem.total)
-        seen: set[int] = set()
-        for p in _compute_processes(nvml, handle):
-            if p.pid in seen:
-                continue
-            seen.add(p.pid)
-            owner = process_owner(p.pid)
-            used = p.usedGpuMemory if isinstance(p.usedGpuMemory, int) else 0
+    def _device(self, out: Families, reading: GpuReading) -> None:
+        gpu = {"host": self.host, "gpu": str(reading.index), "uuid": reading.uuid}
+        out.add("gpu_info", "1 per GPU NVML sees", {**gpu, "model": reading.name}, 1)
+        if reading.utilization is not None:
+            out.add("gpu_utilization_ratio", "fraction of the last sample period a kernel ran", gpu,
+                    reading.utilization / 100.0)
+        out.add("gpu_memory_used_bytes", "GPU memory in use", gpu, reading.memory_used)
+        out.add("gpu_memory_total_bytes", "GPU memory in all", gpu, reading.memory_total)
+        for pid, used in reading.processes:
+            owner = process_owner(pid)
             out.add("gpu_process_memory_bytes", "GPU memory of each process, with its user, Slurm job, det_lab run "
-                    "and container", {**gpu, "pid": str(p.pid), **owner}, used)
+                    "and container", {**gpu, "pid": str(pid), **owner}, used)
