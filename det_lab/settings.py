@@ -29,6 +29,8 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
+from det_lab.watchdog_settings import WatchdogSettings
+
 DEFAULT_DATA_ROOT = Path("/mnt/data")
 SYSTEM_CONFIG = Path("/etc/det-lab/lab.yaml")
 LOCAL_CONFIG_NAME = "det-lab.yaml"
@@ -239,6 +241,8 @@ class LabSettings(StrictModel):
     )
     tracking: TrackingSettings = TrackingSettings()
     master_url: str | None = None
+    watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings,
+                                       description="the idle-GPU watchdog (det-lab watchdog)")
     source: Path | None = Field(default=None, exclude=True, description="file it was loaded from")
 
     @field_validator("data_root")
