@@ -47,7 +47,7 @@ fi
 python -m pip install -q --upgrade pip
 # a plain 'torch' requirement pulls a multi-GB CUDA build: take the pinned one unless torch is there
 python -c 'import torch' 2>/dev/null || python -m pip install -q 'torch==2.13.0'
-python -m pip install -q -e '.[test]'
+python -m pip install -q -e '.[test,docs]'
 # without their declared dependencies: rsl_rl's tensorboard/onnx (not needed to train), LeRobot's
 # torch<2.11 pin (only its dataset code is used, as the reference reader), and `datasets` 4's
 # requests>=2.32 (determined 0.38.1 pins requests<2.32)
