@@ -326,7 +326,7 @@ def template(
     ctx: typer.Context,
     name: str | None = typer.Option(None, help="Template name in Determined (default: det-lab, det-lab-notebook)."),
     out: Path | None = typer.Option(None, "--out", help="Write the template here (default: print it)."),
-    apply: bool = typer.Option(False, "--apply", help="Register it with the master (det template create)."),
+    apply: bool = typer.Option(False, "--apply", help="Register it with the master: created, or updated when it exists."),
     notebook: bool = typer.Option(False, "--notebook", help="The JupyterLab template: also the lab's idle "
                                   "timeout (notebooks.idle_timeout; lengthen one with --config idle_timeout=8h)."),
 ) -> None:
@@ -338,6 +338,7 @@ def template(
     import yaml
 
     from det_lab.cluster.config import render_notebook_template, render_task_template
+    from det_lab.cluster.config_template import TemplateApplyError, apply_template
     from det_lab.cluster.secrets import private_dir
 
     lab, cluster = _load(ctx)
@@ -357,12 +358,11 @@ def template(
     path = out or private_dir() / f"{name}-template.yaml"
     if out is None:
         path.write_text(text)
-    proc = subprocess.run([det, "-m", master, "template", "create", name, str(path)], env=env,
-                          capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0:
-        reason = (proc.stderr.strip() or proc.stdout.strip() or f"exit {proc.returncode}").splitlines()[-1]
-        fail(f"det template create {name}: {reason}")
-    console.print(f"registered template {name!r} with {master}", highlight=False)
+    try:
+        done = apply_template(det, master, name, path, env)
+    except TemplateApplyError as exc:
+        fail(str(exc))
+    console.print(f"{done} template {name!r} on {master}", highlight=False)
 
 
 
