@@ -8,8 +8,17 @@ of Determined 0.38.1's ``docs/reference/deploy/master-config-reference.rst`` and
 startup. Every problem is one line:
 ``master.yaml: resource_pools[1].pool_name: duplicate pool 'gpu'``.
 
-The agent decodes its file with ``DisallowUnknownFields``, so an unknown agent key is an error;
-the master ignores unknown keys, but a typo there silently drops a setting, so it is an error too.
+Unknown keys are errors, as they are to Determined: the master decodes master.yaml's top level
+with ``DisallowUnknownFields`` (``master/cmd/determined-master/root.go`` ``getConfig`` ~l.177),
+and ``resource_manager``, its ``scheduler`` and ``checkpoint_storage`` through
+``master/pkg/union/unmarshal.go``, which refuses keys outside the chosen type too: the master does
+not start. The agent decodes its file with ``DisallowUnknownFields`` as well. Only
+``task_container_defaults`` is decoded leniently (its own ``UnmarshalJSON``,
+``master/pkg/model/task_container_defaults.go`` ~l.80), where a typo would silently drop a
+setting, so det_lab reports it there too. The top level lists every key of 0.38.1's ``Config``
+(``master/internal/config/config.go`` ~l.173-206, ``resource_config.go`` ~l.28-35, and the old
+``scheduler``/``provisioner`` that ``shimOldRMConfig`` still accepts); those det_lab does not
+render are checked no deeper.
 """
 
 from __future__ import annotations
@@ -59,6 +68,8 @@ TASK_CONTAINER_DEFAULTS = Obj({
     "registry_auth": Obj({"username": STR, "password": STR, "serveraddress": STR, "email": STR}),
     "add_capabilities": ListOf(STR), "drop_capabilities": ListOf(STR), "devices": ListOf(Obj({}, open=True)),
     "startup_hook": STR, "log_policies": ListOf(Obj({}, open=True)), "preemption_timeout": INT,
+    **{k: Obj({}, open=True) for k in ("cpu_pod_spec", "gpu_pod_spec", "checkpoint_gc_pod_spec", "slurm", "pbs",
+                                       "kubernetes")},
 })
 # numa_packing: the community fork's 0.42+ (a 0.38.1 master refuses it: ClusterSettings checks the version)
 SCHEDULER = Obj({"type": STR, "fitting_policy": STR, "allow_heterogeneous_fits": BOOL,
@@ -101,6 +112,10 @@ MASTER = Obj({
     "webhooks": Obj({"signing_key": STR, "base_url": STR}),
     "feature_switches": ListOf(STR),
     "reserved_ports": ListOf(INT),
+    "additional_resource_managers": ListOf(Obj({}, open=True)),
+    # valid in 0.38.1, not rendered by det_lab: accepted, not checked further
+    **{k: Obj({}, open=True) for k in ("ui_customization", "__internal", "scim", "saml", "oidc", "det_cloud",
+                                       "integrations", "scheduler", "provisioner")},
 }, _req("db", "checkpoint_storage"))
 AGENT = Obj({
     "master_host": STR, "master_port": INT, "agent_id": STR, "resource_pool": STR,
@@ -159,6 +174,11 @@ def master_errors(conf: dict[str, Any]) -> list[str]:
     errors = list(_structure(conf, MASTER, ""))
     if errors:
         return errors
+    old_rm = [k for k in ("scheduler", "provisioner") if k in conf]
+    new_rm = [k for k in ("resource_manager", "resource_pools") if k in conf]
+    if old_rm and new_rm:  # root.go shimOldRMConfig ~l.216
+        errors.append(f"{old_rm[0]}: the pre-0.13 form cannot be used with {new_rm[0]} (the master refuses both "
+                      f"at once); move it under resource_manager")
     if conf.get("port", 8080) != 8080:
         errors.append("port: det deploy local publishes container port 8080 only; "
                       "change the host port with master_port instead")
