@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import nullcontext
 from dataclasses import asdict
 from typing import TYPE_CHECKING
 
@@ -180,3 +181,72 @@ def import_(
     console.print(f"imported {directory} as {name}: {spec.repo} {spec.path}@{spec.rev} (commit {identity.commit[:10]}, "
                   f"{identity.md5}, {identity.nfiles} files, {human_bytes(identity.size)})", highlight=False)
     console.print(f"trials use it with data.det_lab.dataset: {name}; 'det-lab data pull {name}' fetches it", highlight=False)
+
+
+@app.command()
+def gc(
+    ctx: typer.Context,
+    days: float = typer.Option(30.0, "--days", help="Evict snapshots not used for this many days."),
+    yes: bool = typer.Option(False, "--yes", help="Delete (without it: a dry run that only shows what would go)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Only show what would be deleted (the default)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the plan (and what was done) as JSON."),
+) -> None:
+    """Evict unused snapshots and remove shared-cache objects no revision, run or pin needs."""
+    from det_lab.trials.storage import data_gc
+    from det_lab.volume import human_bytes
+
+    if yes and dry_run:
+        fail("give --dry-run or --yes, not both")
+    settings = state(ctx).settings
+    from det_lab.data import DataError
+
+    try:
+        with console.status("collecting what the datasets, runs and pins reference") if not as_json else nullcontext():
+            made, report = data_gc(settings, days, yes=yes)
+    except DataError as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps({
+            "days": made.days, "deleted": report is not None, "freed_bytes": made.freed_bytes,
+            "projects": [{"project": p.project, "evict": [str(e.path) for e in p.evict], "remove_objects": len(p.remove),
+                          "kept_objects": p.kept_objects, "freed_bytes": p.freed_bytes, "skipped": p.skipped,
+                          "repositories": p.repositories} for p in made.projects],
+            "evicted": [str(p) for p in report.evicted] if report else [],
+            "removed_objects": report.removed if report else 0,
+            "kept_back": report.kept_back if report else []}, indent=2))
+        return
+    verb = "freed" if report else "would free"
+    for p in made.projects:
+        if p.skipped:
+            err_console.print(f"[yellow]warning:[/] {p.project}: {p.skipped}", highlight=False, soft_wrap=True)
+        console.print(f"{p.project}: {len(p.evict)} snapshots unused for {days:g} days, {len(p.remove)} cache objects "
+                      f"unreferenced ({p.kept_objects} kept): {verb} {human_bytes(p.freed_bytes)}", highlight=False)
+    if report is None:
+        console.print(f"dry run: nothing deleted; 'det-lab data gc --days {days:g} --yes' deletes this "
+                      f"({human_bytes(made.freed_bytes)})", highlight=False)
+        return
+    for line in report.kept_back:
+        err_console.print(f"[yellow]kept:[/] {line}", highlight=False, soft_wrap=True)
+    console.print(f"evicted {len(report.evicted)} snapshots, removed {report.removed} cache objects; "
+                  "a later pull links or fetches them again", highlight=False)
+
+
+@app.command()
+def pin(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Registered dataset name; its revision now is pinned under this label."),
+    remove: bool = typer.Option(False, "--remove", help="Drop the pin instead."),
+) -> None:
+    """Keep a dataset revision in the shared cache whatever 'det-lab data gc' finds."""
+    from det_lab.data import DataError
+    from det_lab.data.pins import pin_dataset
+
+    settings = state(ctx).settings
+    try:
+        identity = pin_dataset(settings, name, remove=remove)
+    except DataError as exc:
+        fail(str(exc))
+    if identity is None:
+        console.print(f"unpinned {name}", highlight=False)
+    else:
+        console.print(f"pinned {name}: {identity.path}@{identity.commit[:10]} ({identity.md5})", highlight=False)

@@ -37,6 +37,7 @@ from det_lab.data.integrity import (
     READ_ONLY_DIR_MODE, SNAPSHOT_MARKER, changed_files, file_stats, hash_mismatches, md5_of, read_marker,
     replace_with_link, write_marker,
 )
+from det_lab.data.lastuse import note_use
 from det_lab.data.lock import VolumeLock
 from det_lab.settings import LabConfigError, LabSettings, check_writable
 from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, atomic_write_text, check_quota
@@ -138,6 +139,7 @@ def pull(spec: DatasetSpec, settings: LabSettings, *, progress: bool | None = No
                     _materialise(cache, out, snap, Path(spec.path).name, identity, show)
                     fetched = True
         repaired = () if fetched else ensure_intact(layout, snap, identity, show)
+        note_use(layout, spec.project, snap.name)
         _write_index(layout, spec, commit, identity)
     return PulledDataset(snap / Path(spec.path).name, identity, fetched, repaired)
 
@@ -162,6 +164,7 @@ def _from_index(layout: VolumeLayout, spec: DatasetSpec, commit: str, show: bool
     except (OSError, ValueError, TypeError):
         return None
     snap = layout.snapshots(spec.project) / identity.md5.removesuffix(".dir")
+    note_use(layout, spec.project, snap.name)  # before the marker is read: data gc re-checks it after evicting
     marker = read_marker(snap)
     if marker is None:
         return None
