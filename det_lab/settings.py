@@ -116,6 +116,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "MLFLOW_TRACKING_URI": EnvVar(_text, "overrides `tracking.mlflow_uri`", "nonsense"),
     "DET_LAB_LOCK_LIFETIME": EnvVar(_positive(int), "seconds a volume lock outlives a holder that stopped "
                                     "refreshing it (a machine lost mid-pull); default 60", "soon"),
+    "DET_LAB_GC_GRACE": EnvVar(_positive(float), "seconds `det-lab data gc` leaves an object just written to the "
+                               "shared cache alone (a pull may still be publishing it); default 3600", "-5"),
     "DET_LAB_LIST_WORKERS": EnvVar(_positive(int), "processes `det-lab runs list` reads runs with, when it has "
                                    "2,000 or more to read (1: none); default one per CPU, at most 8", "many"),
     "DET_LAB_TEMPLATES": EnvVar(_existing_dir, "directory of experiment templates for `det-lab run` "
@@ -140,6 +142,17 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_RUN_PID": EnvVar(_positive(int), "set by `det-lab run --local` for its trial: the pid of `det-lab run` "
                               "(the trial stops when it is gone)", "abc"),
     "DET_LAB_SLURM_CONFIG": EnvVar(_path, "Slurm config file; same as `--slurm-config`"),
+    "DET_LAB_GPU_STATE_DIR": EnvVar(_path, "this machine's GPU leases and queue, on local disk "
+                                    "(default /tmp/det-lab-gpus; the same for every user of the machine)"),
+    "DET_LAB_CODE_REPO": EnvVar(_text, "the code repository a run's lineage records (default: the work tree's "
+                                "`origin` URL, else its path)"),
+    "DET_LAB_WHEELS": EnvVar(_path, "read by the templates' startup hooks in a task: a directory of wheels to "
+                             "install det_lab from (then `<data root>/.det-lab/wheels`)"),
+    "DET_LAB_PIP_SPEC": EnvVar(_text, "read by the 3DGS template's startup hook in a task: what to `pip install` "
+                               "when the image lacks det_lab (a wheel on the volume or a git URL)"),
+    "DET_LAB_NOTEBOOK_PROJECT": EnvVar(_text, "project notebook 03 compares runs of (default vla)"),
+    "DET_LAB_NOTEBOOK_HPARAM": EnvVar(_text, "hyperparameter notebook 03 plots the metric against (default lr)"),
+    "DET_LAB_NOTEBOOK_METRIC": EnvVar(_text, "metric notebook 03 compares (default validation/val_action_l1)"),
 }
 
 
@@ -176,8 +189,8 @@ class StrictModel(BaseModel):
 class ProjectSettings(StrictModel):
     """A project on the shared volume (``datasets/<name>``, ``outputs/<name>`` ...)."""
 
-    quota: ByteSize = ByteSize(DEFAULT_QUOTA_BYTES)
-    description: str = ""
+    quota: ByteSize = Field(default=ByteSize(DEFAULT_QUOTA_BYTES), description="the most the project may hold on the volume (its datasets, shared cache, snapshots, checkpoints and outputs; hard links once); checked before every pull")
+    description: str = Field(default="", description="what the project is, for listings")
 
     @field_validator("quota", mode="before")
     @classmethod
@@ -198,9 +211,9 @@ class ProjectSettings(StrictModel):
 class TrackingSettings(StrictModel):
     """Where metrics are mirrored. ``None`` URIs mean the local default (see the tracking docs)."""
 
-    backend: Literal["mlflow", "aim", "both", "none"] = "mlflow"
-    mlflow_uri: str | None = None
-    aim_repo: str | None = None
+    backend: Literal["mlflow", "aim", "both", "none"] = Field(default="mlflow", description="where every run's metrics, parameters and lineage are mirrored")
+    mlflow_uri: str | None = Field(default=None, description="MLflow tracking URI (http://host:5000 or sqlite:///path); null: a SQLite store in ~/.local/share/det-lab/")
+    aim_repo: str | None = Field(default=None, description="Aim repository: aim://host:53800 (an aim server) or an absolute path on local disk, never on NFS; null: ~/.local/share/det-lab/aim")
 
     @field_validator("mlflow_uri")
     @classmethod
@@ -234,13 +247,14 @@ class TrackingSettings(StrictModel):
 class LabSettings(StrictModel):
     """The whole lab configuration."""
 
-    data_root: Path = DEFAULT_DATA_ROOT
+    data_root: Path = Field(default=DEFAULT_DATA_ROOT, description="the shared NFS volume, mounted at the same path on every machine (relative to the config file when relative)")
     group: str | None = Field(default=None, description="Unix group that owns the shared volume")
     projects: dict[str, ProjectSettings] = Field(
-        default_factory=lambda: {name: ProjectSettings() for name in BUILTIN_PROJECTS}
+        default_factory=lambda: {name: ProjectSettings() for name in BUILTIN_PROJECTS},
+        description="the projects on the volume, by name; vla, 3dgs and isaac always exist",
     )
-    tracking: TrackingSettings = TrackingSettings()
-    master_url: str | None = None
+    tracking: TrackingSettings = Field(default=TrackingSettings(), description="experiment tracking: MLflow, Aim, both or none")
+    master_url: str | None = Field(default=None, description="the Determined master (http://host:8080); null: no master, local and Slurm runs only")
     watchdog: WatchdogSettings = Field(default_factory=WatchdogSettings,
                                        description="the idle-GPU watchdog (det-lab watchdog)")
     source: Path | None = Field(default=None, exclude=True, description="file it was loaded from")
