@@ -134,12 +134,13 @@ def token(
     settings = state(ctx).settings
     url = master or settings.master_url
     if not url:
-        from det_lab.cluster.settings import ClusterConfigError, default_cluster_file, load_cluster_settings
-        if default_cluster_file(settings).is_file():
-            try:
-                url = load_cluster_settings(settings).master_url
-            except ClusterConfigError as exc:
-                fail(f"{exc} (or pass --master http://host:8080)")
+        from det_lab.cluster.settings import ClusterConfigError, load_cluster_settings
+        try:
+            cluster = load_cluster_settings(settings)
+        except ClusterConfigError as exc:
+            fail(f"{exc} (or pass --master http://host:8080)")
+        if cluster.source is not None:
+            url = cluster.master_url
     if not url:
         fail("no master: pass --master http://host:8080 or set master_url in the lab config")
     user, password = os.environ.get("DET_USER"), os.environ.get("DET_PASS")

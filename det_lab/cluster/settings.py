@@ -22,7 +22,7 @@ from typing import Literal, get_args
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from det_lab.compat import DETERMINED_VERSION
-from det_lab.settings import LabSettings, StrictModel, read_section_file
+from det_lab.settings import LabSettings, StrictModel, env_value, read_section_file
 
 CLUSTER_FILE = "cluster.yaml"
 DEFAULT_POOL = "default"
@@ -360,8 +360,11 @@ def default_cluster_file(lab: LabSettings) -> Path:
 
 
 def load_cluster_settings(lab: LabSettings, path: Path | str | None = None) -> ClusterSettings:
-    """Load and validate the cluster section; ``path`` overrides the default location."""
-    file, raw = read_section_file(path, default_cluster_file(lab), ClusterConfigError, "cluster config")
+    """Load and validate the cluster section: from ``path``, else ``$DET_LAB_CLUSTER_CONFIG``, else
+    :func:`default_cluster_file` when it exists (``source`` None: the built-in defaults). Every
+    reader of the cluster config goes through here, so the variable means the same everywhere."""
+    file, raw = read_section_file(path or env_value("DET_LAB_CLUSTER_CONFIG"), default_cluster_file(lab),
+                                  ClusterConfigError, "cluster config")
     where = str(file) if file else "built-in cluster defaults"
     try:
         return ClusterSettings.model_validate({**raw, "source": file})

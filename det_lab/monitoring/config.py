@@ -64,7 +64,7 @@ class MonitorPlan:
 
 def machines_from_configs(lab) -> tuple[list[Machine], str | None, str]:
     """Machines of the Slurm and Determined configs that exist on the volume, and the master (host:port, scheme)."""
-    from det_lab.cluster.settings import default_cluster_file, load_cluster_settings
+    from det_lab.cluster.settings import load_cluster_settings
     from det_lab.slurm.settings import default_slurm_file, load_slurm_settings
 
     machines: dict[str, Machine] = {}
@@ -73,8 +73,8 @@ def machines_from_configs(lab) -> tuple[list[Machine], str | None, str]:
         for node in load_slurm_settings(lab).nodes:
             host = node.addr or node.name
             machines[host] = Machine(host, node.gpus > 0)
-    if default_cluster_file(lab).is_file():
-        cluster = load_cluster_settings(lab)
+    cluster = load_cluster_settings(lab)
+    if cluster.source is not None:
         for pool in cluster.pools:
             for agent in pool.agents:
                 machines.setdefault(agent, Machine(agent, cluster.agent.slot_type not in ("cpu", "none")))
