@@ -14,6 +14,7 @@ from det_lab.cli import runs_cmds, slurm_cmds
 from det_lab.cli import usage_cmd
 from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
+from det_lab.cli import gpus_cmd
 from det_lab.cli.common import State, report_user_error
 from det_lab.errors import UserError
 from det_lab.volume import share_with_group
@@ -61,6 +62,7 @@ app.command()(usage_cmd.usage)
 app.command()(monitor_cmds.exporter)
 app.add_typer(monitor_cmds.app, name="monitor")
 app.command()(reproduce_cmd.reproduce)
+app.command()(gpus_cmd.gpus)
 
 
 def main() -> None:

@@ -31,6 +31,9 @@ def run(
     partition: str | None = typer.Option(None, "--partition", help="With --slurm: the partition (one per GPU kind)."),
     time_limit: str | None = typer.Option(None, "--time", help="With --slurm: the job's time limit, e.g. 04:00:00."),
     wait: bool = typer.Option(False, "--wait", help="With --slurm: follow the job; exit with the trial's outcome."),
+    gpus: str | None = typer.Option(None, "--gpus", metavar="0,1",
+                                    help="With --local: train on these GPUs of this machine (det-lab gpus lists them)."),
+    queue: bool = typer.Option(False, "--queue", help="With --local: wait in line when the GPUs are taken."),
 ) -> None:
     """Train a template: here with --local, as a Slurm job with --slurm (on Determined: det experiment create)."""
     if slurm:
@@ -42,19 +45,31 @@ def run(
         return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
+    from det_lab.gpus import GpusError, LocalClaim
     from det_lab.trials import local
 
     settings = state(ctx).settings
     try:
+        claim = LocalClaim(settings, gpus, queue)
         run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
-                                           overrides=overrides, name=None if resume else run_name, warn=_warn)
-    except (local.RunError, ValueError) as exc:
+                                           overrides=overrides, name=None if resume else run_name, warn=_warn,
+                                           gpu_check=claim.check)
+    except (local.RunError, ValueError, GpusError) as exc:
         fail(str(exc))
-    st = run_.state()
-    how = f"resuming {st['name']} from checkpoint {st['latest_checkpoint']}" if resume else f"run {st['name']}"
-    console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.log_file}", highlight=False)
-    proc = local.launch(run_, cwd, command, settings)
-    code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
+    with claim:  # the GPUs are given back however this ends (and by the kernel if it is killed)
+        st = run_.state()
+        how = f"resuming {st['name']} from checkpoint {st['latest_checkpoint']}" if resume else f"run {st['name']}"
+        console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.log_file}", highlight=False)
+        try:
+            env = claim.wait(on_wait=lambda why: console.print(f"  waiting for GPUs: {why}", highlight=False),
+                             mark=lambda status: run_.update(status=status))
+        except KeyboardInterrupt:
+            run_.record_end(status="cancelled")
+            fail(f"run {st['name']} cancelled while it waited for GPUs", 1)
+        if claim.gpus_words():
+            console.print(f"  GPUs: {claim.gpus_words()}", highlight=False)
+        proc = local.launch(run_, cwd, command, settings, extra_env=env)
+        code = local.wait_with_progress(proc, run_, show=sys.stderr.isatty() or sys.stdout.isatty())
     if local.record_exit(run_, code) == "busy":
         fail(local.busy_error(run_))
     _summary(run_, code, settings)

@@ -108,8 +108,14 @@ def run_owner(run: LocalRunRecord, st: dict) -> str:
 
 
 def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str | None:
-    """Why a Slurm run's pending job waits, in words (e.g. a per-user GPU limit); None when it does not wait."""
-    job = _slurm_job(run, run.state() if st is None else st) if job is _ASK else job
+    """Why a run waits, in words: a Slurm run's pending job (e.g. a per-user GPU limit), a local run in
+    this machine's line for GPUs; None when it does not wait."""
+    st = run.state() if st is None else st
+    if run.kind == "local" and st.get("status") == "waiting":
+        from det_lab.gpus import waiting_words
+
+        return waiting_words(st.get("name", run.dir.name)) or "not in line any more: its det-lab run is gone"
+    job = _slurm_job(run, st) if job is _ASK else job
     if not job or job.get("JobState") != "PENDING":
         return None
     from det_lab.accounting.limits import pending_words
@@ -272,8 +278,19 @@ def _cancel_local(run, name: str, st: dict) -> None:
     import os
     import signal
 
+    from det_lab.gpus import GpusError, cancel_waiting
     from det_lab.trials import run_guard
 
+    if st.get("status") == "waiting":  # in line for GPUs: its det-lab run leaves the line, recording it cancelled
+        try:
+            pid = cancel_waiting(name)
+        except GpusError as exc:
+            fail(str(exc))
+        if pid is None:
+            fail(f"run {name} is not in this machine's line for GPUs (waiting on another machine, or its det-lab run is gone)")
+        console.print(f"took run {name} out of the line for GPUs (its det-lab run, pid {pid}, records it cancelled)",
+                      highlight=False)
+        return
     holder = run_guard.trainer(run.dir)
     if holder is None or holder.stale:
         fail(f"run {name} has no live trainer ({holder.stale if holder else 'nobody holds it'}); nothing to cancel")

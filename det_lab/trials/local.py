@@ -111,10 +111,13 @@ def entry_command(entrypoint: str | list[str]) -> list[str]:
 def prepare(settings: LabSettings, template: str, config: Path | None, resume: bool | str,
             seed: int | None = None, record_cls: type[LocalRunRecord] = LocalRunRecord,
             overrides: list[str] | tuple[str, ...] = (), name: str | None = None,
-            warn: Callable[[str], None] | None = None) -> tuple[LocalRunRecord, Path, list[str]]:
+            warn: Callable[[str], None] | None = None,
+            gpu_check: Callable[[dict[str, Any], str, str], None] | None = None,
+            ) -> tuple[LocalRunRecord, Path, list[str]]:
     """Create (or, with ``resume``, reopen) a local-style run of kind ``record_cls``; returns its
     record, its cwd and its command. ``name`` names a new run (default: template, time, random).
-    Checks that refuse a run belong before the staging directory is made."""
+    Checks that refuse a run belong before the staging directory is made; ``gpu_check(config, run
+    name, template)`` is the last of them (the run's GPUs: :class:`det_lab.gpus.LocalClaim`)."""
     tdir = resolve_template(template)
     cfg_path, conf = load_config(tdir, config)
     if overrides and resume:
@@ -147,6 +150,8 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
             stale = run_guard.break_stale(run.dir, state["name"])
         except run_guard.RunBusy as exc:
             raise RunError(str(exc)) from None
+        if gpu_check is not None:
+            gpu_check(state["exp_conf"], state["name"], tdir.name)
         if stale and warn is not None:
             warn(stale)
         state["resumed"] = state.get("resumed", 0) + 1
@@ -159,6 +164,8 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     rng = random.Random(seed)
     hparams = sample_hparams(conf.get("hyperparameters") or {}, rng)
     _require(tdir, hparams)
+    if gpu_check is not None:
+        gpu_check(conf, name, tdir.name)
     # the run directory appears complete (with its run.json) or not at all
     staging = record_cls(root / f".{name}.tmp")
     staging.dir.mkdir()
@@ -206,12 +213,14 @@ def trial_env(run: LocalRunRecord, cwd: Path, settings: LabSettings) -> dict[str
     return env
 
 
-def launch(run: LocalRunRecord, cwd: Path, command: list[str], settings: LabSettings) -> subprocess.Popen:
-    """Start the trial process; its output goes to the run's ``train.log``."""
+def launch(run: LocalRunRecord, cwd: Path, command: list[str], settings: LabSettings,
+           extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start the trial process (``extra_env`` added to its environment: its GPUs); its output goes
+    to the run's ``train.log``."""
     log = open(run.log_file, "ab")
     # its own session (Ctrl-C reaches det-lab run, which stops the trial gracefully), yet never
     # left training on its own: it gets SIGTERM when det-lab run dies, however that dies
-    env = {**trial_env(run, cwd, settings), run_guard.PARENT_ENV: str(os.getpid())}
+    env = {**trial_env(run, cwd, settings), **(extra_env or {}), run_guard.PARENT_ENV: str(os.getpid())}
     return subprocess.Popen(command, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True, preexec_fn=run_guard.die_with_parent(os.getpid()))
 

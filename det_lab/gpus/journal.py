@@ -1,0 +1,123 @@
+"""The audit trail of GPU leases on the shared volume: every lease's start and end, one line each.
+
+``<data root>/.det-lab/gpus/journal/<host>.<user>.jsonl``: each member appends only to their own
+file of each machine (no two writers on one file across NFS clients; the host's lease lock orders
+the lines of one machine). A lease's start names its host, GPUs, user, run, project, template and
+holder pid; its end says when and how (``released`` by its holder, or ``holder gone``: found dead,
+ended at its last heartbeat). A lease with a start and no end is still held, or on another machine
+whose holder died and that nobody there has looked at since.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from det_lab.settings import LabSettings
+from det_lab.volume import VolumeLayout
+
+
+def journal_dir(settings: LabSettings) -> Path:
+    """Where every machine's lease journal lies on the volume."""
+    return VolumeLayout.from_settings(settings).state / "gpus" / "journal"
+
+
+@dataclass
+class LeaseRecord:
+    """One lease as the journal tells it (``end`` None: not ended as far as it knows)."""
+
+    lease: str
+    host: str
+    user: str
+    run: str
+    project: str
+    template: str
+    gpus: list[tuple[int, str]]  # (NVML index, UUID) on ``host``
+    pid: int
+    since: float  # epoch seconds
+    end: float | None = None
+    how: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def seconds(self, now: float) -> float:
+        """How long it was (or has so far been) held."""
+        return max(0.0, (self.end if self.end is not None else now) - self.since)
+
+    def gpu_hours(self, now: float) -> float:
+        return len(self.gpus) * self.seconds(now) / 3600
+
+
+def append(settings: LabSettings, host: str, user: str, event: dict[str, Any]) -> None:
+    """Append one event to this machine's and user's journal (OSError when the volume cannot take it)."""
+    folder = journal_dir(settings)
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        try:  # members add their own files: the group writes here (the volume's setgid keeps the group)
+            folder.chmod(0o2775)
+            folder.parent.chmod(0o2775)
+        except PermissionError:
+            pass
+    line = (json.dumps(event, sort_keys=True) + "\n").encode()
+    fd = os.open(folder / f"{host}.{user}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o664)
+    try:
+        os.write(fd, line)  # one write of a short line: whole or not at all in the file
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def start_event(record: LeaseRecord) -> dict[str, Any]:
+    return {"event": "start", "lease": record.lease, "host": record.host, "user": record.user, "run": record.run,
+            "project": record.project, "template": record.template,
+            "gpus": [{"index": i, "uuid": u} for i, u in record.gpus], "pid": record.pid, "since": record.since}
+
+
+def end_event(lease: str, at: float, how: str) -> dict[str, Any]:
+    return {"event": "end", "lease": lease, "at": at, "how": how}
+
+
+def read_records(settings: LabSettings) -> list[LeaseRecord]:
+    """Every lease in every machine's journal, by start time; the first end of a lease counts (a
+    damaged line, as a disk that filled mid-write leaves, is passed over)."""
+    folder = journal_dir(settings)
+    starts: dict[str, LeaseRecord] = {}
+    ends: dict[str, tuple[float, str]] = {}
+    try:
+        files = sorted(folder.glob("*.jsonl"))
+    except OSError:
+        return []
+    for path in files:
+        try:
+            lines = path.read_bytes().splitlines()
+        except OSError:
+            continue
+        for raw in lines:
+            try:
+                e = json.loads(raw)
+                if e["event"] == "start":
+                    starts.setdefault(e["lease"], LeaseRecord(
+                        lease=e["lease"], host=e["host"], user=e["user"], run=e.get("run") or "",
+                        project=e.get("project") or "", template=e.get("template") or "",
+                        gpus=[(int(g["index"]), str(g["uuid"])) for g in e["gpus"]], pid=int(e["pid"]),
+                        since=float(e["since"])))
+                elif e["event"] == "end":
+                    ends.setdefault(e["lease"], (float(e["at"]), str(e.get("how") or "")))
+            except (ValueError, KeyError, TypeError):
+                continue
+    for lease, (at, how) in ends.items():
+        if lease in starts:
+            starts[lease].end, starts[lease].how = at, how
+    return sorted(starts.values(), key=lambda r: (r.since, r.lease))
+
+
+def recent_gpu_hours(records: list[LeaseRecord], now: float, half_life_s: float) -> dict[str, float]:
+    """Each user's GPU-hours, the older the less (halved every ``half_life_s``), as Slurm's fair-share
+    decays past use (PriorityDecayHalfLife); a lease still held counts up to now."""
+    out: dict[str, float] = {}
+    for r in records:
+        age = max(0.0, now - (r.end if r.end is not None else now))
+        out[r.user] = out.get(r.user, 0.0) + r.gpu_hours(now) * 0.5 ** (age / half_life_s)
+    return out
