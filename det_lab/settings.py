@@ -141,6 +141,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_CODE_COMMIT": EnvVar(_text, "set by `det-lab run --local` for its trial: the code's git commit"),
     "DET_LAB_RUN_PID": EnvVar(_positive(int), "set by `det-lab run --local` for its trial: the pid of `det-lab run` "
                               "(the trial stops when it is gone)", "abc"),
+    "DET_LAB_GPU_SAMPLE_INTERVAL": EnvVar(_positive(float), "seconds between two samples of a trial's own GPUs "
+                                          "(its GPU efficiency; default 10)", "often"),
     "DET_LAB_SLURM_CONFIG": EnvVar(_path, "Slurm config file; same as `--slurm-config`"),
     "DET_LAB_GPU_STATE_DIR": EnvVar(_path, "this machine's GPU leases and queue, on local disk "
                                     "(default /tmp/det-lab-gpus; the same for every user of the machine)"),
@@ -153,6 +155,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_NOTEBOOK_PROJECT": EnvVar(_text, "project notebook 03 compares runs of (default vla)"),
     "DET_LAB_NOTEBOOK_HPARAM": EnvVar(_text, "hyperparameter notebook 03 plots the metric against (default lr)"),
     "DET_LAB_NOTEBOOK_METRIC": EnvVar(_text, "metric notebook 03 compares (default validation/val_action_l1)"),
+    "DET_LAB_GPU_LEASE": EnvVar(_text, "set by `det-lab run --local` for its trial: the id of the GPU lease it "
+                                "holds (with CUDA_VISIBLE_DEVICES)"),
 }
 
 

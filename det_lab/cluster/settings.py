@@ -19,7 +19,7 @@ import socket
 from pathlib import Path
 from typing import Literal, get_args
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
 from det_lab.compat import DETERMINED_VERSION
 from det_lab.settings import LabSettings, StrictModel, env_value, read_section_file
@@ -50,11 +50,11 @@ class ClusterConfigError(ValueError):
 class PoolSettings(StrictModel):
     """A resource pool: one per machine or per GPU kind."""
 
-    name: str
-    description: str = ""
+    name: str = Field(description="the pool's name (letters, digits, '.', '-', '_'); experiments pick it with resources.resource_pool")
+    description: str = Field(default="", description="what the pool is, shown in the Web UI")
     agents: list[str] = Field(default_factory=list, description="agent ids (hostnames) that join this pool")
     gpu_kind: str | None = Field(default=None, description="e.g. rtx4090; exported to tasks as DET_LAB_GPU_KIND")
-    max_aux_containers_per_agent: int = Field(default=100, ge=0)
+    max_aux_containers_per_agent: int = Field(default=100, ge=0, description="CPU-only tasks (notebooks, TensorBoards, commands) an agent of the pool runs at once")
 
     @field_validator("name")
     @classmethod
@@ -69,8 +69,8 @@ class AgentSettings(StrictModel):
 
     container_master_host: str | None = Field(
         default=None, description="how task containers reach the master (default: master_host)")
-    slot_type: Literal["auto", "cuda", "rocm", "cpu", "none"] = "auto"
-    visible_gpus: str | None = None
+    slot_type: Literal["auto", "cuda", "rocm", "cpu", "none"] = Field(default="auto", description="what an agent offers as slots: auto detects its GPUs; cpu offers its CPUs")
+    visible_gpus: str | None = Field(default=None, description="the GPUs an agent offers (e.g. 0,1); null: all")
     gpu: bool | Literal["auto"] = Field(
         default="auto", description="pass the host GPUs to the agent container; auto = when nvidia-smi exists")
 
@@ -83,12 +83,12 @@ class ImageSettings(StrictModel):
     Docker pulls and runs by digest (the tag is then only a label).
     """
 
-    repo_prefix: str = "determinedai"
-    version: str = DETERMINED_VERSION
+    repo_prefix: str = Field(default="determinedai", description="where the master and agent images come from (ghcr.io/wu-cvgl for the community fork)")
+    version: str = Field(default=DETERMINED_VERSION, description="the master and agent images' tag")
     master_digest: str | None = Field(default=None, description="sha256:<64 hex> of the master image")
     agent_digest: str | None = Field(default=None, description="sha256:<64 hex> of the agent image")
     task: str | None = Field(default=None, description="default task image; None keeps Determined's")
-    postgres: str = DEFAULT_POSTGRES_IMAGE
+    postgres: str = Field(default=DEFAULT_POSTGRES_IMAGE, description="the master database's image (PostgreSQL 12 or later)")
 
     @field_validator("repo_prefix")
     @classmethod
@@ -146,16 +146,16 @@ class ImageSettings(StrictModel):
 class GCSettings(StrictModel):
     """Which checkpoints survive garbage collection (the union of the three is kept)."""
 
-    save_experiment_best: int = Field(default=0, ge=0)
-    save_trial_best: int = Field(default=1, ge=0)
-    save_trial_latest: int = Field(default=1, ge=0)
+    save_experiment_best: int = Field(default=0, ge=0, description="best checkpoints of each experiment kept")
+    save_trial_best: int = Field(default=1, ge=0, description="best checkpoints of each trial kept")
+    save_trial_latest: int = Field(default=1, ge=0, description="latest checkpoints of each trial kept")
 
 
 class DBSettings(StrictModel):
     """The database the master uses. Host and port are fixed by ``det deploy local``."""
 
-    name: str = "determined"
-    user: str = "postgres"
+    name: str = Field(default="determined", description="the master's PostgreSQL database")
+    user: str = Field(default="postgres", description="the PostgreSQL user the master (and det-lab cluster backup) connects as")
 
     @field_validator("name", "user")
     @classmethod
@@ -168,9 +168,9 @@ class DBSettings(StrictModel):
 class SchedulerSettings(StrictModel):
     """The priority scheduler (``fair_share`` is deprecated in 0.38, ``round_robin`` removed)."""
 
-    default_priority: int = Field(default=42, ge=1, le=99)
-    preemption: bool = False
-    fitting_policy: Literal["best", "worst"] = "best"
+    default_priority: int = Field(default=42, ge=1, le=99, description="priority of a task that names none (1 is the highest)")
+    preemption: bool = Field(default=False, description="let a higher-priority task preempt a lower one")
+    fitting_policy: Literal["best", "worst"] = Field(default="best", description="best packs tasks onto the fewest agents; worst spreads them")
     numa_packing: bool | None = Field(
         default=None, description="community fork 0.42+ only: false stops packing a task's GPUs by NUMA node")
 
@@ -178,19 +178,19 @@ class SchedulerSettings(StrictModel):
 class TaskUser(StrictModel):
     """A Unix identity for tasks; used for ``security.default_task`` and user links."""
 
-    uid: int = Field(ge=0)
-    gid: int = Field(ge=0)
-    user: str
-    group: str
+    uid: int = Field(ge=0, description="Unix user id tasks run as")
+    gid: int = Field(ge=0, description="Unix group id tasks run as")
+    user: str = Field(description="Unix user name")
+    group: str = Field(description="Unix group name")
 
 
 class BindMount(StrictModel):
     """An extra bind mount for every task container (same path on host and in the container)."""
 
-    host_path: Path
-    container_path: Path | None = None
-    read_only: bool = True
-    propagation: Literal["rprivate", "private", "rshared", "shared", "rslave", "slave"] = "rslave"
+    host_path: Path = Field(description="absolute path on every agent")
+    container_path: Path | None = Field(default=None, description="where it appears in the task (default: host_path)")
+    read_only: bool = Field(default=True, description="mount it read-only")
+    propagation: Literal["rprivate", "private", "rshared", "shared", "rslave", "slave"] = Field(default="rslave", description="mount propagation; rslave shows mounts made on the host later (an NFS remount) inside running tasks")
 
     @field_validator("host_path", "container_path")
     @classmethod
@@ -215,8 +215,8 @@ class NotebookSettings(StrictModel):
     ``det notebook start --config idle_timeout=8h``. ``idle_timeout: null`` turns it off.
     """
 
-    idle_timeout: str | None = "2h"
-    idle_type: NotebookIdleType = "kernels_or_terminals"
+    idle_timeout: str | None = Field(default="2h", description="a Go duration after which Determined ends an idle notebook (the master's notebook_timeout); null: never")
+    idle_type: NotebookIdleType = Field(default="kernels_or_terminals", description="what counts as activity: kernels, terminals, kernels_or_terminals or activity")
 
     @field_validator("idle_timeout")
     @classmethod
@@ -241,8 +241,8 @@ class BackupSettings(StrictModel):
     dir: Path | None = Field(default=None, description="default: <data_root>/.det-lab/backups")
     keep_daily: int = Field(default=7, ge=1, description="newest backup of each of the last N days with one")
     keep_weekly: int = Field(default=4, ge=0, description="newest backup of each of the last M weeks with one")
-    host: str | None = None
-    port: int = Field(default=5432, ge=1, le=65535)
+    host: str | None = Field(default=None, description="PostgreSQL host (a name, an IP or a socket directory); null: run pg_dump inside the master's database container")
+    port: int = Field(default=5432, ge=1, le=65535, description="PostgreSQL port, with host")
     pg_bin: Path | None = Field(default=None, description="directory of pg_dump/pg_restore/psql")
     max_age_hours: int = Field(default=48, ge=1, description="doctor warns when the newest backup is older")
     on_calendar: str = Field(default="*-*-* 03:15:00", description="systemd OnCalendar= of the nightly timer")
@@ -255,25 +255,39 @@ class BackupSettings(StrictModel):
         return v
 
 
+class TaskDefaults(StrictModel):
+    """What every task container gets, rendered into the master's and every pool's defaults."""
+
+    shm_size: ByteSize = Field(
+        default=ByteSize(4 * 1024**3),
+        description="size of each task container's /dev/shm (Determined's shm_size_bytes; an experiment's "
+                    "resources.shm_size overrides it). Each container has its own: the VLA frame cache in "
+                    "shm is built per trial")
+    preemption_timeout: int = Field(default=3600, ge=1,
+                                    description="seconds a preempted task gets to checkpoint and exit")
+
+
 class ClusterSettings(StrictModel):
     """The whole cluster section."""
 
     cluster_name: str = Field(default="determined", description="prefix of the Docker container names")
-    display_name: str = "det-lab"
+    display_name: str = Field(default="det-lab", description="the cluster's name in the Web UI")
     master_host: str = Field(default_factory=socket.gethostname,
-                             description="address of the master machine, routable from every agent and task")
+                             description="address of the master machine, routable from every agent and task",
+                             json_schema_extra={"doc_default": "this machine's host name"})
     master_port: int = Field(default=8080, ge=1, le=65535, description="host port the master is published on")
-    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings(name=DEFAULT_POOL, description="GPU machines")])
-    default_compute_pool: str = DEFAULT_POOL
-    default_aux_pool: str = DEFAULT_POOL
-    scheduler: SchedulerSettings = SchedulerSettings()
-    agent: AgentSettings = AgentSettings()
-    images: ImageSettings = ImageSettings()
-    gc: GCSettings = GCSettings()
-    db: DBSettings = DBSettings()
-    backup: BackupSettings = BackupSettings()
-    notebooks: NotebookSettings = NotebookSettings()
-    log_retention_days: int = Field(default=90, ge=-1, le=32767)
+    pools: list[PoolSettings] = Field(default_factory=lambda: [PoolSettings(name=DEFAULT_POOL, description="GPU machines")], description="resource pools: one per machine or per GPU kind")
+    default_compute_pool: str = Field(default=DEFAULT_POOL, description="the pool of GPU tasks that name none")
+    default_aux_pool: str = Field(default=DEFAULT_POOL, description="the pool of CPU-only tasks (notebooks, TensorBoards) that name none")
+    scheduler: SchedulerSettings = Field(default=SchedulerSettings(), description="the master's priority scheduler")
+    agent: AgentSettings = Field(default=AgentSettings(), description="what every agent.yaml gets")
+    images: ImageSettings = Field(default=ImageSettings(), description="container images: master, agent, task, database")
+    gc: GCSettings = Field(default=GCSettings(), description="which checkpoints survive Determined's checkpoint garbage collection")
+    db: DBSettings = Field(default=DBSettings(), description="the master's database")
+    backup: BackupSettings = Field(default=BackupSettings(), description="backups of the master's database (det-lab cluster backup)")
+    notebooks: NotebookSettings = Field(default=NotebookSettings(), description="idle JupyterLab notebooks")
+    tasks: TaskDefaults = Field(default_factory=TaskDefaults, description="defaults of every task container")
+    log_retention_days: int = Field(default=90, ge=-1, le=32767, description="days the master keeps task logs (-1: for ever)")
     default_task: TaskUser | None = Field(
         default=None, description="identity of tasks whose user is not linked (Determined's default: root)")
     users: dict[str, str | TaskUser] = Field(

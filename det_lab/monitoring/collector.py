@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from det_lab.monitoring.series import BY_NAME, series_of
 from det_lab.volume import VolumeLayout
 
 if TYPE_CHECKING:
@@ -70,7 +71,8 @@ class Families:
     def gauge(self, name: str, doc: str, labels: Sequence[str] = ()) -> GaugeMetricFamily:
         full = PREFIX + name
         if full not in self._families:
-            self._families[full] = GaugeMetricFamily(full, doc, labels=list(labels))
+            declared = BY_NAME.get(name)  # the help text is declared once, in series.py
+            self._families[full] = GaugeMetricFamily(full, declared.help if declared else doc, labels=list(labels))
         return self._families[full]
 
     def add(self, name: str, doc: str, labels: dict[str, str], value: float) -> None:
@@ -179,4 +181,6 @@ class LabCollector(Collector):
         return True
 
     def describe(self) -> list[Metric]:
-        return []  # unchecked: the families differ from scrape to scrape
+        """Every family this collector's sources may export (``series.SERIES``), without samples."""
+        return [GaugeMetricFamily(PREFIX + s.name, s.help, labels=list(s.labels))
+                for s in series_of([source.name for source in self.sources])]

@@ -61,6 +61,32 @@ def recording_rules() -> dict[str, Any]:
     return {"groups": [{"name": "det-lab-recording", "rules": rules}]}
 
 
+#: what each alert means, for the person it reaches (the alerts reference page, docs/reference/alerts.md)
+MEANINGS: dict[str, str] = {
+    "GPUHeldIdle": "a GPU with a process on it has been under the idle ratio (10 %) busy for the idle time "
+                   "(30 min): someone holds a GPU they do not use",
+    "DeterminedGPUIdle": "a GPU of a live Determined allocation has been under 10 % busy (DCGM) for the idle time",
+    "GPUXidErrors": "DCGM counts XID errors on a GPU (DCGM_EXP_XID_ERRORS_COUNT, which resolves, unlike "
+                    "DCGM_FI_DEV_XID_ERRORS): a driver or hardware fault",
+    "GPUMissing": "a machine's GPU exporter sees fewer GPUs than it had in the last day (a GPU fell off the bus)",
+    "DCGMGPUMissing": "a machine reports fewer GPUs to DCGM than it had in the last day",
+    "SlurmGPUsUnavailable": "GPUs have been on down or drained Slurm nodes for 15 min",
+    "ExporterDown": "a scrape target has been down for 5 min",
+    "MonitoringSourceFailing": "a det-lab exporter source has failed for 10 min: its series are absent",
+    "MonitoringSourceStale": "an exporter answers with a source's figures over 15 min old (its refresh hangs, "
+                             "e.g. on the volume)",
+    "ProjectNearQuota": "a project has used over 90 % of its quota for 15 min: its next pull may be refused",
+    "VolumeFreeSpaceLow": "the shared volume has had under 10 % free space for 15 min",
+    "TrackerBacklogOld": "a run's oldest undelivered tracker event is over 10 min old (its tracker is down or "
+                         "its sender died; det-lab tracking sync delivers it)",
+    "TrackerDown": "the MLflow or Aim server has not answered for 5 min",
+    "SlurmJobPendingLong": "a Slurm job has been pending longer than the pending time (24 h)",
+    "RunSilent": "a running run has reported no metric for the silent time (30 min): hung, or its job died unseen",
+    "RunDied": "a local run's trainer and det-lab run vanished without recording an end (a machine lost power); "
+               "the summary says how to resume it",
+}
+
+
 def _alert(name: str, expr: str, duration: str, summary: str, severity: str = "warning") -> dict[str, Any]:
     return {"alert": name, "expr": expr, "for": duration, "labels": {"severity": severity},
             "annotations": {"summary": summary}}

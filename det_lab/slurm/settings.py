@@ -62,11 +62,11 @@ def check_time(value: str) -> str:
 class NodeSettings(StrictModel):
     """One machine: a Slurm node. Its GPUs become ``gres`` of type ``gpu_kind``."""
 
-    name: str
+    name: str = Field(description="the node's host name (Slurm's NodeName)")
     addr: str | None = Field(default=None, description="NodeAddr when the name does not resolve")
-    cpus: int = Field(default=1, ge=1)
+    cpus: int = Field(default=1, ge=1, description="CPUs Slurm may hand out on it")
     memory: ByteSize | None = Field(default=None, description="RealMemory (leave some for the OS)")
-    gpus: int = Field(default=0, ge=0)
+    gpus: int = Field(default=0, ge=0, description="its GPUs, as gres gpu:<gpu_kind>:N")
     gpu_kind: str | None = Field(default=None, description="e.g. rtx4090: the gres type and the partition name")
     gpu_files: str | None = Field(default=None, description="device files; default /dev/nvidia[0-N]")
 
@@ -107,10 +107,10 @@ class MemberDefaults(StrictModel):
 class MemberSettings(StrictModel):
     """A lab member: a Unix name, the projects whose accounts they charge (the first is their default)."""
 
-    user: str
-    projects: list[str] = Field(min_length=1)
-    gpu_limit: int | None = Field(default=None, ge=0)
-    fairshare: int | None = Field(default=None, ge=1)
+    user: str = Field(description="the member's Unix user name")
+    projects: list[str] = Field(min_length=1, description="the projects whose accounts they charge; the first is their default")
+    gpu_limit: int | None = Field(default=None, ge=0, description="GPUs they may hold at once (default: defaults.gpu_limit)")
+    fairshare: int | None = Field(default=None, ge=1, description="their share of the lab (default: defaults.fairshare)")
 
     @field_validator("user")
     @classmethod
@@ -130,8 +130,8 @@ class MemberSettings(StrictModel):
 class ProjectLimit(StrictModel):
     """A project's own limit: the GPUs all its members' jobs may hold together."""
 
-    gpu_limit: int | None = Field(default=None, ge=0)
-    fairshare: int = Field(default=1, ge=1)
+    gpu_limit: int | None = Field(default=None, ge=0, description="GPUs all the project's jobs together may hold (the account's GrpTRES); null: no limit")
+    fairshare: int = Field(default=1, ge=1, description="the project account's share of the lab")
 
 
 def check_account(name: str) -> str:
@@ -147,19 +147,19 @@ def check_account(name: str) -> str:
 class AccountingSettings(StrictModel):
     """slurmdbd + MariaDB: who is in the lab, their limits and shares, and where the database is."""
 
-    members: list[MemberSettings] = Field(default_factory=list)
-    defaults: MemberDefaults = Field(default_factory=MemberDefaults)
-    projects: dict[str, ProjectLimit] = Field(default_factory=dict)
+    members: list[MemberSettings] = Field(default_factory=list, description="the lab's members, their projects, GPU limits and shares")
+    defaults: MemberDefaults = Field(default_factory=MemberDefaults, description="limits and share of a member who names none")
+    projects: dict[str, ProjectLimit] = Field(default_factory=dict, description="a project's own limit and share, by project name")
     deny_on_limit: bool = Field(default=False, description="refuse a job over a per-user limit instead of queueing it")
     interactive_time: str = Field(default="02:00:00", description="time limit of salloc / srun --pty jobs")
     gpu_billing: float = Field(default=4.0, gt=0, description="what a GPU-hour costs in CPU-hours (fair-share)")
     half_life: str = Field(default="7-0", description="PriorityDecayHalfLife: how fast past use is forgotten")
     dbd_host: str | None = Field(default=None, description="the machine running slurmdbd (default: controller)")
-    dbd_port: int = Field(default=6819, ge=1, le=65535)
-    storage_host: str = "localhost"
-    storage_port: int = Field(default=3306, ge=1, le=65535)
-    storage_user: str = "slurm"
-    storage_db: str = "slurm_acct_db"
+    dbd_port: int = Field(default=6819, ge=1, le=65535, description="slurmdbd's port (DbdPort)")
+    storage_host: str = Field(default="localhost", description="the MariaDB server slurmdbd stores accounting in")
+    storage_port: int = Field(default=3306, ge=1, le=65535, description="MariaDB's port")
+    storage_user: str = Field(default="slurm", description="the MariaDB user slurmdbd connects as")
+    storage_db: str = Field(default="slurm_acct_db", description="the MariaDB database")
     password_file: Path | None = Field(default=None, description="the database password (default: generated once)")
     dbd_extra: dict[str, str] = Field(default_factory=dict, description="further slurmdbd.conf keys, as given")
 
@@ -204,26 +204,29 @@ class AccountingSettings(StrictModel):
 class SlurmSettings(StrictModel):
     """The whole Slurm section."""
 
-    cluster_name: str = "det-lab"
+    cluster_name: str = Field(default="det-lab", description="Slurm's ClusterName (accounting records are kept under it)")
     controller: str = Field(default_factory=lambda: socket.gethostname().split(".")[0],
-                            description="the machine running slurmctld")
-    controller_addr: str | None = None
+                            description="the machine running slurmctld",
+                            json_schema_extra={"doc_default": "this machine's short host name"})
+    controller_addr: str | None = Field(default=None, description="the controller's address when its name does not resolve")
     nodes: list[NodeSettings] = Field(default_factory=lambda: [
-        NodeSettings(name=socket.gethostname().split(".")[0], cpus=os.cpu_count() or 1)])
+        NodeSettings(name=socket.gethostname().split(".")[0], cpus=os.cpu_count() or 1)],
+        description="the machines Slurm runs jobs on; one partition per GPU kind",
+        json_schema_extra={"doc_default": "this machine, with its CPUs and no GPU"})
     default_partition: str | None = Field(default=None, description="default: the first node's partition")
-    max_time: str = "7-00:00:00"
-    default_time: str = "1-00:00:00"
+    max_time: str = Field(default="7-00:00:00", description="the longest time limit a job may ask for (partitions' MaxTime)")
+    default_time: str = Field(default="1-00:00:00", description="the time limit of a job that asks for none (DefaultTime)")
     signal_seconds: int = Field(default=300, ge=30,
                                 description="how long before the time limit a job is told to checkpoint")
     images: dict[str, Path] = Field(default_factory=dict, description=(
         "an experiment config's environment.image (or 'default') -> the Apptainer .sif its trials run in"))
     binds: list[Path] = Field(default_factory=list, description="extra paths bound into the images")
-    slurmctld_port: int = Field(default=6817, ge=1, le=65535)
-    slurmd_port: int = Field(default=6818, ge=1, le=65535)
-    slurm_user: str = "slurm"
-    state_dir: Path = Path("/var/spool/slurmctld")
-    spool_dir: Path = Path("/var/spool/slurmd")
-    log_dir: Path = Path("/var/log/slurm")
+    slurmctld_port: int = Field(default=6817, ge=1, le=65535, description="slurmctld's port")
+    slurmd_port: int = Field(default=6818, ge=1, le=65535, description="slurmd's port")
+    slurm_user: str = Field(default="slurm", description="the Unix user slurmctld runs as")
+    state_dir: Path = Field(default=Path("/var/spool/slurmctld"), description="slurmctld's state directory (StateSaveLocation)")
+    spool_dir: Path = Field(default=Path("/var/spool/slurmd"), description="slurmd's spool directory (SlurmdSpoolDir)")
+    log_dir: Path = Field(default=Path("/var/log/slurm"), description="where the daemons write their logs")
     extra: dict[str, str] = Field(default_factory=dict, description="further slurm.conf keys, as given")
     accounting: AccountingSettings | None = Field(default=None, description=(
         "slurmdbd accounting: members, GPU limits, fair-share (none: accounting_storage/none)"))
