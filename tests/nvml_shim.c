@@ -9,6 +9,9 @@
  *   count_error CODE                       nvmlDeviceGetCount_v2 returns CODE
  *   gpu UUID UTIL MEMUTIL USED TOTAL NAME  a GPU (NAME may hold spaces: the rest of the line)
  *   proc PID BYTES                         a compute process of the last gpu; BYTES "-": not available
+ *   power MILLIWATTS                       the last gpu's power draw (without it: not supported)
+ *   reload                                 re-read this file at any device call once it has changed
+ *                                          (a test scripts utilization over time by rewriting it)
  *
  * With NVML_SHIM_LOG set, every call appends its symbol name (and its result code) to that file.
  *
@@ -19,12 +22,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 typedef int nvmlReturn_t;
 enum {
     NVML_SUCCESS = 0,
     NVML_ERROR_UNINITIALIZED = 1,
     NVML_ERROR_INVALID_ARGUMENT = 2,
+    NVML_ERROR_NOT_SUPPORTED = 3,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_UNKNOWN = 999,
 };
@@ -56,12 +61,15 @@ struct gpu {
     unsigned long long used, total;
     unsigned int nprocs;
     nvmlProcessInfo_v3_t procs[MAX_PROCS];
+    unsigned int power_mw;
+    int has_power;
 };
 typedef struct gpu *nvmlDevice_t; /* opaque to the caller: a pointer into gpus[] */
 
 static struct gpu gpus[MAX_GPUS];
 static unsigned int ngpus;
-static int initialised, count_error;
+static int initialised, count_error, reload;
+static struct stat loaded; /* the config file as last read (for "reload") */
 
 static nvmlReturn_t logged(const char *fn, nvmlReturn_t ret) {
     const char *path = getenv("NVML_SHIM_LOG");
@@ -81,9 +89,11 @@ static nvmlReturn_t load(void) {
     int init_error = 0;
     if (!f)
         return NVML_ERROR_UNKNOWN;
+    fstat(fileno(f), &loaded);
     memset(gpus, 0, sizeof gpus);
     ngpus = 0;
     count_error = 0;
+    reload = 0;
     while (fgets(line, sizeof line, f)) {
         struct gpu *g = ngpus ? &gpus[ngpus - 1] : NULL;
         if (sscanf(line, "%31s", word) != 1 || word[0] == '#')
@@ -98,6 +108,10 @@ static nvmlReturn_t load(void) {
                        &g->used, &g->total, g->name) != 6)
                 init_error = NVML_ERROR_UNKNOWN;
             ngpus++;
+        } else if (!strcmp(word, "reload")) {
+            reload = 1;
+        } else if (!strcmp(word, "power") && g) {
+            g->has_power = sscanf(line, "%*s %u", &g->power_mw) == 1;
         } else if (!strcmp(word, "proc") && g && g->nprocs < MAX_PROCS) {
             nvmlProcessInfo_v3_t *p = &g->procs[g->nprocs++];
             strcpy(bytes, "0");
@@ -113,7 +127,19 @@ static nvmlReturn_t load(void) {
     return init_error;
 }
 
+/* With "reload": the config again once its file changed (a new file renamed over it, or rewritten). */
+static void maybe_reload(void) {
+    struct stat now;
+    const char *path = getenv("NVML_SHIM_CONFIG");
+    if (!reload || !path || stat(path, &now) != 0)
+        return;
+    if (now.st_ino != loaded.st_ino || now.st_size != loaded.st_size || now.st_mtim.tv_sec != loaded.st_mtim.tv_sec ||
+        now.st_mtim.tv_nsec != loaded.st_mtim.tv_nsec)
+        load();
+}
+
 static int valid(nvmlDevice_t d) {
+    maybe_reload();
     return initialised && d >= gpus && d < gpus + ngpus;
 }
 
@@ -221,5 +247,15 @@ nvmlReturn_t COMPUTE_PROCESSES(nvmlDevice_t device, unsigned int *infoCount, nvm
     *infoCount = device->nprocs;
     if (device->nprocs)
         memcpy(infos, device->procs, device->nprocs * sizeof *infos);
+    return logged(__func__, NVML_SUCCESS);
+}
+
+/* milliwatts, as the driver; NOT_SUPPORTED for a GPU without a "power" line */
+nvmlReturn_t nvmlDeviceGetPowerUsage(nvmlDevice_t device, unsigned int *power) {
+    if (!valid(device) || !power)
+        return logged(__func__, NVML_ERROR_INVALID_ARGUMENT);
+    if (!device->has_power)
+        return logged(__func__, NVML_ERROR_NOT_SUPPORTED);
+    *power = device->power_mw;
     return logged(__func__, NVML_SUCCESS);
 }

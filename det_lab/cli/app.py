@@ -14,6 +14,7 @@ from det_lab.cli import runs_cmds, slurm_cmds
 from det_lab.cli import usage_cmd
 from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
+from det_lab.cli import watchdog_cmd
 from det_lab.cli import gpus_cmd
 from det_lab.cli.common import State, report_user_error
 from det_lab.errors import UserError
@@ -62,6 +63,7 @@ app.command()(usage_cmd.usage)
 app.command()(monitor_cmds.exporter)
 app.add_typer(monitor_cmds.app, name="monitor")
 app.command()(reproduce_cmd.reproduce)
+app.add_typer(watchdog_cmd.app, name="watchdog")
 app.command()(gpus_cmd.gpus)
 
 

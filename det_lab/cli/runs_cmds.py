@@ -138,6 +138,7 @@ def list_runs(
         except ValueError as exc:
             fail(str(exc))
     from det_lab.trials.listing import Listed, ListingCache, Unlisted, user_name
+    from det_lab.watchdog import notice_line
 
     cache = ListingCache(settings.data_root)
     owners: dict[int, str] = {}
@@ -159,8 +160,10 @@ def list_runs(
         if user and owner != user:
             continue
         job = _slurm_job(run, st)  # asked once, for the status and the reason it waits
+        status = live_status(run, st, job)
         rows.append((listed.changed, {"name": st["name"], "kind": run.kind, "template": st.get("template"),
-                     "status": live_status(run, st, job), "step": listed.step, "of": st.get("max_length"),
+                     "status": status, "step": listed.step, "of": st.get("max_length"),
+                     "watchdog": notice_line(run.dir) if status in ("running", "stopped", "cancelled") else None,
                      "where": _where(run, st), "dir": str(run.dir),
                      "metric": next(iter(listed.validation.items()), None), "user": owner,
                      "waiting": waiting(run, st, job)}))
@@ -174,6 +177,7 @@ def list_runs(
     for r in rows:
         metric = f"{r['metric'][0]}={r['metric'][1]:.4g}" if r["metric"] else ""
         status = f"{r['status']}: {r['waiting']}" if r["waiting"] else r["status"]
+        status = f"{status} ({r['watchdog']})" if r["watchdog"] else status
         table.append((r["name"], r["kind"], status, f"{r['step']}/{r['of'] if r['of'] is not None else '?'}", metric,
                       r["where"]))
     widths = [max(len(str(row[i])) for row in table) for i in range(len(table[0]))]
@@ -211,6 +215,15 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
         for a in slurm.get("attempts") or []:
             table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']})")
         table.add_row("job script", str(slurm.get("script")))
+    from det_lab.trials.gpu_sampler import summary_lines
+    from det_lab.watchdog import notice_line
+
+    efficiency = st.get("gpu_efficiency")
+    for i, line in enumerate(summary_lines(efficiency) if isinstance(efficiency, dict) else []):
+        table.add_row("GPU efficiency" if i == 0 else "", line)
+    notice = notice_line(run.dir)
+    if notice:
+        table.add_row("watchdog", notice)
     summary = run.tracking_summary()
     for b in (summary or {}).get("backends", []):
         table.add_row(b["backend"], f"run {b['run_id']}: {b['delivered']} events delivered, {b['pending']} pending")

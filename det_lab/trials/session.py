@@ -33,11 +33,13 @@ import determined as det
 from det_lab.data import DatasetIdentity, PulledDataset, lookup
 from det_lab.data import pull as pull_dataset
 from det_lab.data.lock import VolumeLock
-from det_lab.settings import LabSettings
+from det_lab.settings import LabSettings, env_value
 from det_lab.tracking import DeliverySummary, Mirror, open_mirror
 from det_lab.tracking.events import flatten
 from det_lab.tracking.null_mirror import NullMirror
 from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
+from det_lab.trials.gpu_sampler import DEFAULT_INTERVAL_S, GpuSampler
+from det_lab.trials.gpu_sampler import merge as merge_efficiency
 from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
@@ -68,6 +70,7 @@ class LabSession:
         self.exit_code: int | str | None = None
         self._preempt_requested = False
         self._trainer_lock: VolumeLock | None = None
+        self._gpu_sampler: GpuSampler | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -112,8 +115,31 @@ class LabSession:
             self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking)
             self.mirror.log_params(self.identity.hparams)
             self.mirror.set_tags(flatten(tracker_view(self.lineage)))
+            self._start_gpu_sampler()
         intercept(self.core, self)
         return self
+
+    def _start_gpu_sampler(self) -> None:
+        """The chief's own GPUs, sampled off the training thread (system metrics; run.json at the end)."""
+        mirror = self.mirror
+        sampler = GpuSampler(env_value("DET_LAB_GPU_SAMPLE_INTERVAL", DEFAULT_INTERVAL_S),
+                             on_sample=lambda step, metrics: mirror.log_metrics("system", step, metrics))
+        if sampler.start():
+            self._gpu_sampler = sampler
+
+    def _stop_gpu_sampler(self) -> None:
+        sampler, self._gpu_sampler = self._gpu_sampler, None
+        if sampler is None:
+            return
+        workers = next((v for k, v in flatten(dict(self.identity.hparams or {})).items()
+                        if k.split(".")[-1] == "num_workers"), None)
+        summary = sampler.stop({"num_workers": workers} if workers is not None else {})
+        if summary is not None and self.record.keeps_progress:
+            try:
+                previous = self.record.state().get("gpu_efficiency")
+            except (OSError, ValueError):
+                previous = None
+            self.record.update(gpu_efficiency=merge_efficiency(previous, summary))
 
     def _pull_dataset(self) -> PulledDataset | None:
         """Pull once per node (local rank 0); the node's other ranks wait for the result."""
@@ -166,6 +192,11 @@ class LabSession:
         """End the tracker run and record the outcome: FINISHED (KILLED when stopped early) or FAILED."""
         if status == "FINISHED" and self.preempted:
             status = "KILLED"
+        if self.is_chief:
+            try:
+                self._stop_gpu_sampler()
+            except Exception as exc:  # noqa: BLE001 (the efficiency summary never fails a trial)
+                log.warning("det_lab: GPU efficiency not recorded: %s", exc)
         summary = self.mirror.close(status)  # type: ignore[arg-type]
         if self.is_chief:
             self.record.record_outcome(status, None if summary is None else

@@ -1,0 +1,186 @@
+"""Who holds this machine's GPUs: Slurm jobs, det_lab runs, Determined tasks and local leases.
+
+The holders are the ones the exporter labels its GPU series with. A Slurm job holds the GPUs Slurm
+gave it on this node (``scontrol -d show job``: ``GRES=gpu:1(IDX:0)``, Slurm's index taken as NVML's,
+as with det_lab's gres.conf, which lists ``/dev/nvidia0..`` in order), whether or not anything runs on
+them (a forgotten ``salloc``). A process on a GPU outside Slurm is a det_lab run's trial
+(``DET_LAB_LOCAL_RUN`` in its environment) or a Determined task's (``DET_TASK_ID``, ``DET_TASK_TYPE``,
+``DET_USER``: master/pkg/tasks/task.go and master/internal/api_notebook.go). Reading another user's
+``/proc/<pid>/environ`` needs root: the watchdog's unit runs as root.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import re
+import subprocess
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from det_lab.nvml import GpuReading
+
+HolderKind = Literal["slurm", "run", "determined", "lease"]
+_IDX = re.compile(r"gpu[^(,]*\(IDX:([0-9,-]+)\)")
+COMMAND_TIMEOUT = 30.0
+
+
+@dataclass(frozen=True)
+class Holder:
+    """One holder of GPUs on this machine (``gpus``: NVML indices)."""
+
+    key: str  # "slurm:<job id>", "run:<run name>", "determined:<task id>", "lease:<id>"
+    kind: HolderKind
+    user: str
+    name: str
+    gpus: tuple[int, ...]
+    partition: str = ""
+    interactive: bool = False  # a Slurm job from salloc or srun (BatchFlag=0)
+    job_id: str = ""
+    run_dir: str = ""  # a det_lab run's directory
+    task_type: str = ""  # a Determined task's DET_TASK_TYPE (NOTEBOOK, SHELL, TRIAL, ...)
+    pids: tuple[int, ...] = field(default=(), compare=False)
+
+    @property
+    def aliases(self) -> set[str]:
+        """What a user may call it (``det-lab watchdog snooze``): its key, job id, run or task name."""
+        return {a for a in (self.key, self.job_id, self.name) if a}
+
+    @property
+    def what(self) -> str:
+        """The holder in words: ``salloc job 123``, ``run vla-...``, ``Determined notebook abc``."""
+        if self.kind == "slurm":
+            return f"{'interactive' if self.interactive else 'batch'} Slurm job {self.job_id} ({self.name})"
+        if self.kind == "run":
+            return f"det_lab run {self.name}"
+        if self.kind == "determined":
+            return f"Determined {self.task_type.lower() or 'task'} {self.name}"
+        return f"GPU lease {self.name}"
+
+
+def process_env(pid: int, proc: Path = Path("/proc")) -> dict[str, str]:
+    """The environment of ``pid`` ({} where it cannot be read)."""
+    try:
+        data = (proc / str(pid) / "environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in data.decode(errors="replace").split("\0") if "=" in item)
+
+
+def _user_of(pid: int) -> str:
+    try:
+        uid = os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return ""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _indices(text: str) -> list[int]:
+    out: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if lo.isdigit():
+            out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def parse_scontrol_jobs(text: str, node: str) -> list[Holder]:
+    """The running jobs of ``scontrol -d -o show job`` output that hold GPUs on ``node``."""
+    out = []
+    for line in text.splitlines():
+        fields = dict(m.groups() for m in re.finditer(r"(\w+(?::\w+)?)=(\S*)", line))
+        if fields.get("JobState") != "RUNNING":
+            continue
+        gpus: list[int] = []
+        # one-line form: "Nodes=n1 CPU_IDs=0-1 Mem=0 GRES=gpu:1(IDX:0)" per node
+        for m in re.finditer(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)", line):
+            if m.group(1) == node or node in _expand_nodes(m.group(1)):
+                for idx in _IDX.findall(m.group(2)):
+                    gpus.extend(_indices(idx))
+        if not gpus:
+            continue
+        user = fields.get("UserId", "").split("(")[0]
+        job_id = fields.get("JobId", "")
+        out.append(Holder(key=f"slurm:{job_id}", kind="slurm", user=user, name=fields.get("JobName", ""),
+                          gpus=tuple(sorted(set(gpus))), partition=fields.get("Partition", ""),
+                          interactive=fields.get("BatchFlag") == "0", job_id=job_id))
+    return out
+
+
+def _expand_nodes(text: str) -> set[str]:
+    """A hostlist such as ``n[1-3,5]`` (single bracket), as a set of names."""
+    m = re.fullmatch(r"([^\[]*)\[([0-9,-]+)\](.*)", text)
+    if not m:
+        return set(text.split(","))
+    return {f"{m.group(1)}{i}{m.group(3)}" for i in _indices(m.group(2))}
+
+
+def slurm_holders(node: str, env: Mapping[str, str] | None = None) -> list[Holder]:
+    """The running Slurm jobs holding GPUs on ``node``; [] where Slurm is not installed or does not answer."""
+    try:
+        proc = subprocess.run(["scontrol", "-d", "-o", "show", "job"], capture_output=True, text=True,
+                              timeout=COMMAND_TIMEOUT, env=None if env is None else {**os.environ, **env})
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if proc.returncode != 0:
+        return []
+    return parse_scontrol_jobs(proc.stdout, node)
+
+
+def process_holders(readings: Iterable[GpuReading], slurm_jobs: set[str]) -> list[Holder]:
+    """det_lab runs and Determined tasks owning processes on the GPUs (those inside a Slurm job belong to it)."""
+    found: dict[str, dict] = {}
+    for gpu in readings:
+        for pid, _used in gpu.processes:
+            env = process_env(pid)
+            if env.get("SLURM_JOB_ID") in slurm_jobs:
+                continue
+            run_file = env.get("DET_LAB_LOCAL_RUN")
+            if run_file:
+                run_dir = Path(run_file).parent
+                h = found.setdefault(f"run:{run_dir.name}", {
+                    "kind": "run", "user": _user_of(pid), "name": run_dir.name, "run_dir": str(run_dir),
+                    "gpus": set(), "pids": set()})
+            elif env.get("DET_TASK_ID"):
+                task = env["DET_TASK_ID"]
+                h = found.setdefault(f"determined:{task}", {
+                    "kind": "determined", "user": env.get("DET_USER") or _user_of(pid), "name": task,
+                    "task_type": env.get("DET_TASK_TYPE", ""), "gpus": set(), "pids": set()})
+            else:
+                continue
+            h["gpus"].add(gpu.index)
+            h["pids"].add(pid)
+    return [Holder(key=key, **{**h, "gpus": tuple(sorted(h["gpus"])), "pids": tuple(sorted(h["pids"]))})
+            for key, h in sorted(found.items())]
+
+
+def lease_holders(settings) -> list[Holder]:
+    """The local GPU leases of ``det_lab.gpus`` (where that package exists), as holders."""
+    try:
+        from det_lab.gpus import active_leases
+    except ImportError:
+        return []
+    out = []
+    for lease in active_leases(settings):
+        gpus = tuple(getattr(lease, "gpus", None) or (getattr(lease, "gpu", None),))
+        ident = str(getattr(lease, "id", None) or getattr(lease, "lease_id", ""))
+        out.append(Holder(key=f"lease:{ident}", kind="lease", user=str(getattr(lease, "user", "")),
+                          name=str(getattr(lease, "name", None) or ident),
+                          gpus=tuple(g for g in gpus if isinstance(g, int))))
+    return out
+
+
+def discover(readings: list[GpuReading], node: str, settings=None,
+             slurm_env: Mapping[str, str] | None = None) -> list[Holder]:
+    """Every holder of this machine's GPUs now, once each (a run on a lease is the run)."""
+    slurm = slurm_holders(node, slurm_env)
+    holders = slurm + process_holders(readings, {h.job_id for h in slurm})
+    held = {g for h in holders for g in h.gpus}
+    holders += [h for h in (lease_holders(settings) if settings is not None else []) if not set(h.gpus) & held]
+    known = {g.index for g in readings}
+    return [h for h in holders if set(h.gpus) & known]
