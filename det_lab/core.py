@@ -69,7 +69,7 @@ def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None
         elif checkpoint_storage is not None:
             kwargs["checkpoint_storage"] = checkpoint_storage
         with det_core.init(**kwargs) as core_context:
-            session = LabSession(settings, identity, core_context, lab).start()
+            session = LabSession(settings, identity, core_context, lab, checkpoint_dir=ckpt).start()
             status = "FAILED"
             try:
                 yield LabContext(core_context, session)

@@ -103,6 +103,7 @@ def test_installed_det_lab_lists_copies_and_runs_its_templates(venv, wheel, tmp_
     assert init.returncode == 0, init_out
     run = _sh(bin_ / "det-lab", "run", "vla", "--local", "--set", "data.det_lab.max_length.batches=20",
               "--set", "min_validation_period.batches=10", "--set", "min_checkpoint_period.batches=10",
+              "--set", "checkpoint_storage.save_trial_latest=2",  # keep both (retention: tests/test_retention.py)
               cwd=tmp_path, env=env).stdout
     assert "finished" in run and "20 of 20 batches" in run, run
     ckpt_root = tmp_path / "lab-data/checkpoints/vla"

@@ -57,6 +57,11 @@ def state(run_dir: Path) -> dict:
     return json.loads((run_dir / "run.json").read_text())
 
 
+def made(st: dict) -> list[int]:
+    """The steps of every checkpoint a run made: those kept and those retention deleted."""
+    return sorted(c["step"] for c in st["checkpoints"] + st.get("checkpoints_deleted", []))
+
+
 def steps(run_dir: Path, group: str) -> list[int]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (run_dir / "metrics.jsonl").exists() else []
     return [m["step"] for m in map(json.loads, lines) if m["group"] == group]
@@ -104,7 +109,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     first = state(run_dir)
     stop = first["latest_checkpoint_step"]
     # model_<i>.pt after i + 1 iterations (rsl_rl counts from 0): steps_completed i + 1
-    assert 6 <= stop < 30 and [c["step"] for c in first["checkpoints"]] == list(range(1, stop + 1, 5))
+    assert 6 <= stop < 30 and made(first) == list(range(1, stop + 1, 5))
     log = (run_dir / "train.log").read_text()
     assert f"stop requested: stopped after saving model_{stop - 1}.pt" in log
     (child_run,) = log_parsers.run_dirs(run_dir / "work" / "logs" / "rsl_rl")
@@ -116,7 +121,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     assert "30 of 30 batches" in proc.stdout  # the summary counts iterations done, not the last index
     done = state(run_dir)
     assert done["latest_checkpoint_step"] == 30 and done["resumed"] == 1  # 30 of 30 iterations
-    assert [c["step"] for c in done["checkpoints"]][len(first["checkpoints"]):] == \
+    assert made(done)[len(made(first)):] == \
         [s + 1 for s in (*range(0, 30, 5), 29) if s + 1 > stop]
     log = (run_dir / "train.log").read_text()
     assert f"--resume --load_run det-lab-restore-{first['latest_checkpoint'][:8]} --checkpoint model_{stop - 1}.pt" in log
@@ -152,7 +157,7 @@ def test_crashing_child_is_a_failed_trial_with_its_last_lines(isaac_lab):
     assert "simulated crash at iteration 12" in proc.stdout  # the child's traceback, in the summary
     (run_dir,) = runs_root(lab).iterdir()
     st = state(run_dir)
-    assert st["latest_checkpoint_step"] == 11 and [c["step"] for c in st["checkpoints"]] == [1, 6, 11]
+    assert st["latest_checkpoint_step"] == 11 and made(st) == [1, 6, 11]
     assert steps(run_dir, "training") == list(range(1, 13))  # iterations 0-11, from the events files
     log = (run_dir / "train.log").read_text()
     assert "ChildFailed: training command exited with 1 (latest checkpoint: iteration 10)" in log

@@ -101,7 +101,7 @@ def run(trial_cls: type[LabPyTorchTrial], *, settings: LabSettings | None = None
         with pytorch.init(hparams=identity.hparams, exp_conf=conf,
                           distributed=off_cluster_distributed(identity.on_cluster),
                           enable_tensorboard_logging=tensorboard_available()) as ctx:
-            session = LabSession(settings, identity, core_context_of(ctx), lab).start()
+            session = LabSession(settings, identity, core_context_of(ctx), lab, checkpoint_dir=ckpt).start()
             _current = session
             try:
                 trial = trial_cls(ctx)

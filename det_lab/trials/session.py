@@ -55,8 +55,10 @@ class LabSession:
     """What det_lab adds to one trial process. Use :meth:`start` then :meth:`close`."""
 
     def __init__(self, settings: LabSettings, identity: TrialIdentity, core_context: Any,
-                 lab: LabTrialConfig | None = None) -> None:
+                 lab: LabTrialConfig | None = None, checkpoint_dir: Path | None = None) -> None:
         self.settings = settings
+        #: where this trial's checkpoints go off-cluster (what retention deletes from)
+        self.checkpoint_dir = checkpoint_dir
         self.identity = identity
         self.lab = lab or lab_section(identity.exp_conf)
         self.core = core_context
@@ -102,6 +104,7 @@ class LabSession:
                 raise SystemExit(BUSY_EXIT_CODE) from None
             # what runs list and the exporter show while it trains (a resumed run said "stopped")
             self.record.update(status="running")
+            self._retain()  # a retention pass a kill interrupted is finished before training
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
@@ -170,6 +173,26 @@ class LabSession:
         self.mirror.flush(timeout=2)
         if self.is_chief:
             self.record.add_checkpoint(storage_id, step)
+            self._retain()
+
+    def _retain(self) -> None:
+        """Apply the experiment config's checkpoint retention to a local-style run (a master
+        applies its own); a failure is logged, never fatal to training."""
+        if not self.record.keeps_progress or self.identity.on_cluster:
+            return
+        from det_lab.trials import retention
+
+        layout = VolumeLayout.from_settings(self.settings)
+        root = self.checkpoint_dir or layout.experiment_checkpoints(self.identity.project, self.identity.exp_conf)
+        try:
+            outcome = retention.retain(self.record, layout, self.identity.project, root)
+        except Exception as exc:  # noqa: BLE001 (retention must never stop a trial)
+            log.warning("det_lab: checkpoint retention skipped: %s", exc)
+            return
+        for gone in outcome.deleted:
+            log.info("det_lab: deleted checkpoint %s (step %s): %s", gone["uuid"], gone["step"], gone["reason"])
+        for problem in outcome.problems:
+            log.warning("det_lab: checkpoint retention: %s", problem)
 
     def on_should_preempt(self, answer: bool) -> bool:
         answer = answer or self._preempt_requested
