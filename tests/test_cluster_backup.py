@@ -297,12 +297,44 @@ def test_retention_keeps_exactly_the_newest_per_day_and_week(cl, pg):
     b.prune(cl.backups, cl.db, keep_daily=1, keep_weekly=2)
     assert all_files(cl.backups) == names(["2026-11-17 04:00", "2026-11-15 22:00"])
     # through the CLI: a new backup, then only it is kept (it is the newest day and week)
-    proc = cli(cl, "cluster", "backup", "--keep-daily", "1", "--keep-weekly", "0")
+    proc = cli(cl, "cluster", "backup", "--keep-daily", "1", "--keep-weekly", "0", "--keep-last", "1")
     assert proc.returncode == 0, proc.stderr
     assert "pruned" in proc.stdout
     new = b.list_backups(cl.backups, cl.db)
     assert len(new) == 1 and new[0].taken > _at("2026-11-30 00:00")
     assert all_files(cl.backups) == sorted([new[0].dump.name, new[0].globals_file.name, other.name, notes.name])
+
+
+def test_a_manual_backup_the_same_day_keeps_that_mornings_backup(cl, pg):
+    """The nightly backup, then two by hand the same day after something went wrong: with the
+    default retention (keep_daily 7, keep_weekly 4, keep_last 3) all three stay; the oldest goes
+    only once three newer ones exist. (Pruning kept only the newest of each day: the first manual
+    backup removed the nightly one.)"""
+    populate(pg, cl.db, rows=5)
+    conn = b.connection(ClusterSettings.model_validate(yaml.safe_load((cl.root / ".det-lab/cluster.yaml").read_text())),
+                        Path(cl.env["DET_LAB_CLUSTER_DIR"]))
+    now = datetime.now(timezone.utc).replace(microsecond=0)
+    if now.hour == 0 and now.minute < 2:  # the nightly one must be today's, a minute ago
+        time.sleep(120)
+        now = datetime.now(timezone.utc).replace(microsecond=0)
+    nightly = b.backup(conn, cl.backups, now=now - timedelta(seconds=60))
+    older = b.backup(conn, cl.backups, now=now - timedelta(days=1))  # yesterday's: kept as that day's
+    manual = []
+    for _ in range(2):  # the CLI, as a user runs it after a failure (its own clock, one per second)
+        time.sleep(1.1)
+        proc = cli(cl, "cluster", "backup")
+        assert proc.returncode == 0, proc.stderr
+        assert "pruned" not in proc.stdout, proc.stdout
+        manual.append(b.list_backups(cl.backups, cl.db)[0])
+    kept = [x.dump for x in b.list_backups(cl.backups, cl.db)]
+    assert kept == [manual[1].dump, manual[0].dump, nightly.dump, older.dump]
+    assert nightly.globals_file.exists()
+    # a fourth backup today: the oldest of today's goes (newest 3, and one per earlier day)
+    time.sleep(1.1)
+    proc = cli(cl, "cluster", "backup")
+    assert proc.returncode == 0 and f"pruned {nightly.dump.name}" in proc.stdout, proc.stdout + proc.stderr
+    kept = [x.dump for x in b.list_backups(cl.backups, cl.db)]
+    assert nightly.dump not in kept and older.dump in kept and len(kept) == 4
 
 
 # --- bad input ------------------------------------------------------------------------------------

@@ -21,6 +21,8 @@ def backup(
                                           help="Keep the newest backup of each of the last N days (default: backup.keep_daily)."),
     keep_weekly: int | None = typer.Option(None, "--keep-weekly", min=0,
                                            help="Keep the newest backup of each of the last M weeks (default: backup.keep_weekly)."),
+    keep_last: int | None = typer.Option(None, "--keep-last", min=1,
+                                         help="Keep the newest N backups whatever their day (default: backup.keep_last)."),
 ) -> None:
     """Dump the master's database (pg_dump -Fc + pg_dumpall --globals-only), then prune old backups."""
     from det_lab.cluster import backup as b
@@ -31,7 +33,8 @@ def backup(
         conn = b.connection(cluster)
         made = b.backup(conn, directory)
         removed = b.prune(directory, conn.db, keep_daily or cluster.backup.keep_daily,
-                          cluster.backup.keep_weekly if keep_weekly is None else keep_weekly)
+                          cluster.backup.keep_weekly if keep_weekly is None else keep_weekly,
+                          keep_last or cluster.backup.keep_last)
     except b.BackupError as exc:
         fail(str(exc))
     size = made.dump.stat().st_size

@@ -277,11 +277,15 @@ def list_backups(directory: Path, db: str | None = None) -> list[Backup]:
     return sorted(found, key=lambda b: b.taken, reverse=True)
 
 
-def to_keep(backups: Sequence[Backup], keep_daily: int, keep_weekly: int) -> set[Path]:
-    """The newest backup of each of the newest ``keep_daily`` days that have one (UTC), and of
-    each of the newest ``keep_weekly`` ISO weeks that have one; the newest backup always."""
+def to_keep(backups: Sequence[Backup], keep_daily: int, keep_weekly: int, keep_last: int = 1) -> set[Path]:
+    """The newest ``keep_last`` backups whatever their day, the newest backup of each of the newest
+    ``keep_daily`` days that have one (UTC), and of each of the newest ``keep_weekly`` ISO weeks
+    that have one.
+
+    ``keep_last`` is what keeps backups taken the same day from pruning each other: a manual
+    backup after something went wrong must not remove that morning's good one."""
     newest = sorted(backups, key=lambda b: b.taken, reverse=True)
-    keep: set[Path] = {newest[0].dump} if newest else set()
+    keep: set[Path] = {b.dump for b in newest[:max(keep_last, 1)]}
     for count, key in ((keep_daily, lambda b: b.taken.date()),
                        (keep_weekly, lambda b: b.taken.isocalendar()[:2])):
         seen: list[object] = []
@@ -295,10 +299,10 @@ def to_keep(backups: Sequence[Backup], keep_daily: int, keep_weekly: int) -> set
     return keep
 
 
-def prune(directory: Path, db: str, keep_daily: int, keep_weekly: int) -> list[Backup]:
+def prune(directory: Path, db: str, keep_daily: int, keep_weekly: int, keep_last: int = 1) -> list[Backup]:
     """Delete the backups of ``db`` that :func:`to_keep` does not keep; returns the deleted ones."""
     backups = list_backups(directory, db)
-    keep = to_keep(backups, keep_daily, keep_weekly)
+    keep = to_keep(backups, keep_daily, keep_weekly, keep_last)
     removed = [b for b in backups if b.dump not in keep]
     for b in removed:
         b.dump.unlink(missing_ok=True)

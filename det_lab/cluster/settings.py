@@ -241,6 +241,8 @@ class BackupSettings(StrictModel):
     dir: Path | None = Field(default=None, description="default: <data_root>/.det-lab/backups")
     keep_daily: int = Field(default=7, ge=1, description="newest backup of each of the last N days with one")
     keep_weekly: int = Field(default=4, ge=0, description="newest backup of each of the last M weeks with one")
+    keep_last: int = Field(default=3, ge=1, description="newest N backups whatever their day, so that a manual "
+                           "backup after a failure never prunes that morning's good one")
     host: str | None = Field(default=None, description="PostgreSQL host (a name, an IP or a socket directory); null: run pg_dump inside the master's database container")
     port: int = Field(default=5432, ge=1, le=65535, description="PostgreSQL port, with host")
     pg_bin: Path | None = Field(default=None, description="directory of pg_dump/pg_restore/psql")
