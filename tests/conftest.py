@@ -34,7 +34,7 @@ os.environ["XDG_DATA_HOME"] = _DATA_HOME
 # its own, and two slurmd on one machine share its cgroup tree.
 _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm", "test_slurm_run.py": "slurm",
                  "test_monitoring.py": "slurm", "test_slurm_accounting.py": "slurm",
-                 "test_reproduce_slurm.py": "slurm"}
+                 "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm"}
 
 
 def pytest_xdist_make_scheduler(config, log):

@@ -1,0 +1,263 @@
+"""``det-lab watchdog`` end to end: the NVML stand-in (tests/nvml_shim.c, its utilization scripted over
+time by rewriting its config) and the real one-node Slurm test cluster (two fake GPUs), a webhook
+receiver on 127.0.0.1, a sendmail stand-in that keeps each message, and a real det_lab run.
+
+Windows and grace periods are seconds long (the lab config's ``watchdog:`` section). What the
+stand-ins cannot show: that the real driver's utilization is what the GPUs do, and a Determined
+master's own answer to the kill (its endpoint's path, method and auth follow Determined's source).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import email
+import email.policy
+import json
+import os
+import re
+import signal
+import subprocess
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import VENV_BIN, Lab
+from tests.slurm_cluster import slurm_cluster  # noqa: F401  (a fixture)
+from tests.test_monitoring_nvml import build_shim
+
+TOTAL = 80_000_000_000
+UUIDS = ("GPU-7a1c0e52-93d4-4b1f-8e6a-0c5d2f9b3a71", "GPU-e4b29f0d-1c7a-4f3e-b5d8-6a9c0e2f4b13")
+INTERVAL, WINDOW, GRACE = 0.4, 3.0, 3.0
+
+
+def set_gpus(nvml: dict[str, Path], *gpus: tuple[float, int], procs: dict[int, list[int]] | None = None) -> None:
+    """The stand-in's GPUs now: (utilization %, memory used) each; ``procs``: GPU index -> pids on it."""
+    text = "reload\n"
+    for i, (util, used) in enumerate(gpus):
+        text += f"gpu {UUIDS[i]} {util:g} 0 {used} {TOTAL} NVIDIA A100-SXM4-80GB\n"
+        text += "".join(f"proc {pid} 1000000000\n" for pid in (procs or {}).get(i, []))
+    tmp = nvml["config"].with_suffix(".tmp")
+    tmp.write_text(text)
+    tmp.replace(nvml["config"])
+
+
+class Receiver(BaseHTTPRequestHandler):
+    """A webhook receiver (Mattermost's incoming webhook takes a JSON POST) that keeps what it got."""
+
+    got: list[tuple[str, str, dict]] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        type(self).got.append((self.path, self.headers.get("Content-Type", ""), json.loads(body)))
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"ok")
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def webhook():
+    Receiver.got = []
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}/hooks/lab-gpus", Receiver.got
+    server.shutdown()
+
+
+@pytest.fixture
+def nvml(tmp_path):
+    (tmp_path / "nvml").mkdir()
+    return build_shim(tmp_path / "nvml")
+
+
+def make_lab(tmp_path: Path, webhook_url: str | None = None, **watchdog) -> Lab:
+    sendmail = tmp_path / "sendmail"
+    (tmp_path / "mail").mkdir(exist_ok=True)
+    # the machine's MTA, reduced to keeping each message it is handed
+    sendmail.write_text(f"#!/bin/sh\ncat > {tmp_path / 'mail'}/$$.eml\n")
+    sendmail.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CONFIG_HOME=str(tmp_path / "xdg"), COLUMNS="200")
+    lab = Lab(root=tmp_path / "data", config=tmp_path / "lab.yaml", env=env)
+    section = {"interval": INTERVAL, "rule": {"window": WINDOW, "grace": GRACE},
+               "mail": {"domain": "lab.example", "sendmail": str(sendmail)}, **watchdog}
+    if webhook_url:
+        section["webhook"] = {"url": webhook_url, "kind": "mattermost"}
+    lab.write_config(watchdog=section, tracking={"backend": "none"})
+    lab.root.mkdir()
+    return lab
+
+
+def start_watchdog(lab: Lab, nvml, cluster, *args: str) -> subprocess.Popen:
+    env = {**lab.env, "LD_LIBRARY_PATH": str(nvml["lib"]), "NVML_SHIM_CONFIG": str(nvml["config"]),
+           **(cluster.env if cluster else {"SLURM_CONF": "/nonexistent/slurm.conf"})}
+    node = cluster.node if cluster else "nonode"
+    return subprocess.Popen([str(VENV_BIN / "det-lab"), "watchdog", "--node", node, *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def stop(proc: subprocess.Popen, sig=signal.SIGTERM) -> str:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=30)
+    return out
+
+
+def journal(lab: Lab) -> list[dict]:
+    path = lab.root / ".det-lab" / "watchdog" / "journal.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def wait_for(what, timeout: float, proc: subprocess.Popen | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = what()
+        if got:
+            return got
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the watchdog exited {proc.returncode}: {proc.stdout.read()}")
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s")
+
+
+def salloc(cluster, name: str) -> str:
+    """A forgotten ``salloc``: an interactive allocation of one GPU with nothing running on it."""
+    proc = cluster.run("salloc", "--no-shell", "-N1", "--gres=gpu:1", "-J", name)
+    return re.search(r"Granted job allocation (\d+)", proc.stderr + proc.stdout).group(1)
+
+
+def gpu_of(cluster, job: str) -> int:
+    """The GPU index Slurm gave ``job`` on the node (``scontrol -d``'s ``GRES=gpu...(IDX:n)``)."""
+    text = cluster.run("scontrol", "-d", "-o", "show", "job", job).stdout
+    return int(re.search(r"GRES=\S*\(IDX:(\d+)", text).group(1))
+
+
+def job_state(cluster, job: str) -> str:
+    return cluster.run("squeue", "-h", "-j", job, "-o", "%T", check=False).stdout.strip() or "GONE"
+
+
+def busy_samples(lab: Lab, job: str) -> int:
+    """How many samples of ``job`` at non-zero utilization the watchdog has kept so far."""
+    try:
+        kept = json.loads(next((lab.root / ".det-lab" / "watchdog").glob("samples-*.json")).read_text())
+    except (StopIteration, ValueError, OSError):
+        return 0
+    return sum(1 for per_gpu in kept.get(f"slurm:{job}", {}).values() for _, util, _ in per_gpu if util > 0)
+
+
+def events(entries: list[dict], holder: str) -> list[str]:
+    return [e["event"] for e in entries if e.get("holder") == holder]
+
+
+def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_cluster, nvml, webhook, tmp_path):
+    """An idle ``salloc`` (an exemption of its user that expired yesterday does not save it) is warned
+    (journal, webhook, mail) and cancelled after the grace period; a busy batch job beside it, then an
+    idle one whose name an exemption in force names, are left alone. A watchdog killed mid-grace and
+    started again neither warns twice nor moves the deadline: every action is in the journal once."""
+    url, got = webhook
+    today = dt.date.today()
+    lab = make_lab(tmp_path, url, exemptions=[
+        {"user": "root", "until": str(today - dt.timedelta(days=1)), "reason": "benchmarks last week"},
+        {"job_name": "exempt-*", "until": str(today + dt.timedelta(days=2)), "reason": "demo"}])
+    idle = salloc(slurm_cluster, "idle-salloc")
+    busy = slurm_cluster.run("sbatch", "--parsable", "--gres=gpu:1", "-J", "busy", "-o", "/dev/null",
+                             "--wrap", "sleep 300").stdout.strip()
+    try:
+        wait_for(lambda: job_state(slurm_cluster, busy) == "RUNNING", 30)
+        g_idle, g_busy = gpu_of(slurm_cluster, idle), gpu_of(slurm_cluster, busy)
+        assert {g_idle, g_busy} == {0, 1}
+        util = {g_idle: (0, 0), g_busy: (87, 31_000_000_000)}
+        set_gpus(nvml, util[0], util[1])
+        dog = start_watchdog(lab, nvml, slurm_cluster)
+        warned = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], WINDOW + 15, dog)
+        stop(dog, signal.SIGKILL)  # mid-grace: the next one keeps the first one's deadline
+        dog = start_watchdog(lab, nvml, slurm_cluster)
+        wait_for(lambda: job_state(slurm_cluster, idle) == "GONE", GRACE + 15, dog)
+        time.sleep(3 * INTERVAL)
+        entries = journal(lab)
+        assert events(entries, f"slurm:{idle}") == ["warned", "acted"]
+        assert events(entries, f"slurm:{busy}") == []
+        (w,) = warned
+        acted = next(e for e in entries if e["event"] == "acted")
+        assert w["holder"] == f"slurm:{idle}" and w["user"] == "root" and w["gpus"] == [g_idle]
+        assert w["mean_utilization"] == 0 and acted["at"] >= w["deadline"] > w["at"]
+        assert acted["at"] - w["at"] < GRACE + 3  # not a fresh window after the restart
+        assert f"Slurm job {idle}" in w["message"] and "cancelled at" in w["message"]
+        assert f"det-lab watchdog snooze {idle} 2h" in w["message"]
+        assert job_state(slurm_cluster, busy) == "RUNNING"
+
+        # the webhook got the warning and the action, each once, in Mattermost's shape
+        assert [(path, ctype) for path, ctype, _ in got] == [("/hooks/lab-gpus", "application/json")] * 2
+        assert [set(body) for _, _, body in got] == [{"text", "username"}] * 2
+        assert got[0][2]["text"] == f"det-lab watchdog: {w['message']}"
+        assert got[1][2]["text"] == f"det-lab watchdog: {acted['message']}"
+        mails = [email.message_from_bytes(p.read_bytes(), policy=email.policy.default) for p in sorted((tmp_path / "mail").glob("*.eml"))]
+        assert sorted(m["To"] for m in mails) == ["root@lab.example"] * 2
+        assert sorted(m.get_content().strip() for m in mails) == sorted([w["message"], acted["message"]])
+
+        # an exemption in force: idle as long as it likes
+        exempt = salloc(slurm_cluster, "exempt-notebook")
+        set_gpus(nvml, (0, 0), (87, 31_000_000_000)) if gpu_of(slurm_cluster, exempt) == 0 else \
+            set_gpus(nvml, (87, 31_000_000_000), (0, 0))
+        time.sleep(WINDOW + GRACE + 2)
+        assert job_state(slurm_cluster, exempt) == "RUNNING"
+        assert events(journal(lab), f"slurm:{exempt}") == []
+        stop(dog)
+    finally:
+        slurm_cluster.run("scancel", idle, busy, check=False)
+        slurm_cluster.run("scancel", "-n", "exempt-notebook", check=False)
+
+
+def test_used_for_a_while_then_idle_is_caught(slurm_cluster, nvml, tmp_path):
+    """A job busy (40 %) for its first seconds, then idle: warned while the busy samples are still in
+    the window (its mean under the threshold; "every sample 0" would never have caught it), then cancelled."""
+    lab = make_lab(tmp_path, rule={"window": 5.0, "grace": 2.0, "utilization_below": 10})
+    job = salloc(slurm_cluster, "used-once")
+    try:
+        gpu = gpu_of(slurm_cluster, job)
+        busy, idle = (40, 2_000_000_000), (0, 2_000_000_000)
+        set_gpus(nvml, *[busy if i == gpu else (0, 0) for i in range(2)])
+        dog = start_watchdog(lab, nvml, slurm_cluster)
+        wait_for(lambda: busy_samples(lab, job) >= 3, 20, dog)  # the job's first seconds, busy
+        set_gpus(nvml, *[idle if i == gpu else (0, 0) for i in range(2)])
+        (w,) = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], 20, dog)
+        assert w["holder"] == f"slurm:{job}"
+        assert w["max_utilization"] == 40 and 0 < w["mean_utilization"] < 10
+        wait_for(lambda: job_state(slurm_cluster, job) == "GONE", 15, dog)
+        stop(dog)
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
+
+
+def test_snooze_then_warned_when_it_ends_and_dry_run_changes_nothing(slurm_cluster, nvml, tmp_path):
+    """``--dry-run`` says it would warn and writes, sends and cancels nothing; a snooze keeps the job from
+    being warned until it ends, and one over the limit is one error line."""
+    lab = make_lab(tmp_path, snooze_limit="1m", rule={"window": 2.0, "grace": 60.0})
+    job = salloc(slurm_cluster, "snoozer")
+    try:
+        set_gpus(nvml, (0, 0), (0, 0))
+        dry = start_watchdog(lab, nvml, slurm_cluster, "--dry-run", "--passes", "12")
+        out = dry.communicate(timeout=60)[0]
+        assert f"dry run: would journal warned: interactive Slurm job {job} (snoozer)" in out
+        assert not (lab.root / ".det-lab").exists() and job_state(slurm_cluster, job) == "RUNNING"
+
+        refused = lab.cli("watchdog", "snooze", job, "2h")
+        assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+            f"error: snooze {job} 2h: at most 60 s (watchdog.snooze_limit in {lab.config}); ask an admin for an "
+            "exemption"]
+        lab.cli("watchdog", "snooze", job, "8s", check=True)
+        (snoozed,) = [e for e in journal(lab) if e["event"] == "snoozed"]
+        assert snoozed["target"] == job and snoozed["by"] == "root"
+        dog = start_watchdog(lab, nvml, slurm_cluster)
+        (w,) = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], 25, dog)
+        assert w["holder"] == f"slurm:{job}" and w["at"] >= snoozed["until"] > snoozed["at"] + 7
+        stop(dog)
+        status = json.loads(lab.cli("watchdog", "status", "--json", check=True).stdout)
+        assert [(h["holder"], h["event"]) for h in status["holders"]] == [(f"slurm:{job}", "warned")]
+    finally:
+        slurm_cluster.run("scancel", job, check=False)
