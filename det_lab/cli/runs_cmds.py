@@ -208,6 +208,10 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
         table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in val.items()))
     ckpts = st.get("checkpoints") or []
     table.add_row("checkpoints", f"{len(ckpts)}; latest {st.get('latest_checkpoint')} (step {st.get('latest_checkpoint_step')})")
+    from det_lab.trials.retention import explain
+
+    for row in explain(run):  # what retention kept and why, what it deleted
+        table.add_row(f"  step {row['step']}", f"{row['state']}: {row['why']} ({row['uuid']})")
     slurm = st.get("slurm") or {}
     if slurm:
         table.add_row("slurm job", f"{slurm.get('job_id')} in partition {slurm.get('partition')}, "
@@ -357,3 +361,86 @@ def diff_runs(
     for key, vals in result["final_metrics"].items():
         metrics.add_row(key, *("-" if vals[s] is None else f"{vals[s]:.6g}" for s in ("a", "b")))
     console.print(metrics)
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _plan_out(plan, yes: bool, as_json: bool, settings: LabSettings) -> None:
+    """Print a deletion plan (``det_lab.trials.prune``); with ``yes``, carry it out."""
+    from det_lab.trials import prune
+
+    if as_json:
+        typer.echo(json.dumps({"runs": [r.as_dict() for r in plan.runs], "refused": [r.as_dict() for r in plan.refused],
+                               "bytes": plan.bytes, "leftovers": [str(p) for p in plan.leftovers]}))
+    else:
+        rows = [("run", "project", "owner", "status", "size")]
+        rows += [(r.name, r.project, r.owner, r.status, _size(r.bytes)) for r in plan.runs]
+        widths = [max(len(row[i]) for row in rows) for i in range(5)]
+        typer.echo(f"{len(plan.runs)} run(s) to delete, {_size(plan.bytes)} in all:")
+        for row in rows if plan.runs else []:
+            typer.echo("  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        for r in plan.runs:
+            for uuid, other in r.kept_checkpoints.items():
+                typer.echo(f"  {r.name}: checkpoint {uuid} stays: run {other} lists it")
+            for line in r.trackers:
+                typer.echo(f"  {r.name}: tracker: {line}")
+        for r in plan.refused:
+            typer.echo(f"  not deleted: {r.name} ({r.owner}, {r.status}): {r.refused}")
+        for p in plan.leftovers:
+            typer.echo(f"  left by a deletion that was killed: {p} (removed too)")
+    if not yes:
+        if not as_json and (plan.runs or plan.leftovers):
+            typer.echo("nothing deleted yet: run again with --yes to delete")
+        return
+    for d in prune.execute(settings, plan):
+        if not as_json:
+            console.print(f"deleted run {d.name}: {_size(d.bytes)}, {d.checkpoints} checkpoint(s); "
+                          + "; ".join(d.trackers), highlight=False, markup=False)
+
+
+@app.command("delete")
+def delete_runs(
+    ctx: typer.Context,
+    names: list[str] = typer.Argument(..., metavar="RUN...", help="The runs' names (det-lab runs list)."),
+    yes: bool = typer.Option(False, "--yes", help="Delete them (without it: only print the plan)."),
+    as_json: bool = typer.Option(False, "--json", help="The plan as one JSON object."),
+) -> None:
+    """Delete runs: their directories and checkpoints (a checkpoint another run lists stays), their
+    tracker runs tagged det_lab.deleted, not erased. Prints the plan; --yes does it. Never a run
+    that trains or is queued, nor one this user's Unix rights do not let it remove."""
+    from det_lab.trials import prune
+
+    settings = state(ctx).settings
+    try:
+        plan = prune.plan_delete(settings, names)
+    except prune.PruneError as exc:
+        fail(str(exc))
+    _plan_out(plan, yes, as_json, settings)
+
+
+@app.command("prune")
+def prune_runs(
+    ctx: typer.Context,
+    older_than: str | None = typer.Option(None, "--older-than", help="Runs whose record has not changed for this long: 30d, 12h, 2w."),
+    status: str | None = typer.Option(None, "--status", help="Runs with one of these statuses: failed,stopped,..."),
+    user: str | None = typer.Option(None, "--user", "-u", help="Only this Unix user's runs."),
+    project: str | None = typer.Option(None, "--project", "-p", help="Only this project's runs."),
+    yes: bool = typer.Option(False, "--yes", help="Delete them (without it: only print the plan)."),
+    as_json: bool = typer.Option(False, "--json", help="The plan as one JSON object."),
+) -> None:
+    """Delete the runs matching every filter given, as 'runs delete' does; runs that train, or
+    that this user may not remove, are listed and left alone. Prints the plan; --yes does it."""
+    from det_lab.trials import prune
+
+    settings = state(ctx).settings
+    try:
+        plan = prune.plan_prune(settings, older_than=older_than, statuses=status, user=user, project=project)
+    except prune.PruneError as exc:
+        fail(str(exc))
+    _plan_out(plan, yes, as_json, settings)

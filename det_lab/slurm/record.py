@@ -17,6 +17,8 @@ from typing import Any, ClassVar
 from det_lab.trials.record import LocalRunRecord, register
 
 JOB_SCRIPT = "job.sbatch"
+#: run.json statuses after which the job will not start the trial again
+ENDED_STATUSES = ("finished", "failed", "stopped", "cancelled", "pruned")
 
 
 @register
@@ -48,6 +50,25 @@ class SlurmRunRecord(LocalRunRecord):
         slurm["attempts"] = [*slurm.get("attempts", []), attempt]
         self.update(slurm=slurm)
         return attempt
+
+    def scheduled(self, state: dict[str, Any]) -> str | None:
+        """The run's Slurm job while Slurm still runs or queues it (a requeued job too, whatever
+        run.json says). A job Slurm cannot be asked about counts as scheduled unless run.json
+        recorded an end."""
+        from det_lab.slurm import submit
+
+        job_id = (state.get("slurm") or {}).get("job_id")
+        if not job_id:
+            return None
+        try:
+            job = submit.job_state(job_id)
+        except submit.SlurmError as exc:
+            if state.get("status") in ENDED_STATUSES:
+                return None
+            return f"Slurm does not answer about its job {job_id} ({exc})"
+        if job is None or job.get("JobState") in submit.FINAL_STATES:
+            return None
+        return f"its Slurm job {job_id} is {job.get('JobState', '?').lower()}"
 
     def _last_attempt(self) -> dict[str, Any]:
         attempts = self.slurm().get("attempts") or [{}]

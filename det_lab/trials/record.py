@@ -287,6 +287,11 @@ class LocalRunRecord(RunRecord):
     def runs_root(cls, layout: VolumeLayout, project: str) -> Path:
         return layout.outputs(project) / cls.runs_dirname
 
+    def scheduled(self, state: dict[str, Any]) -> str | None:
+        """Why a scheduler will still start or is running this run's trial (a queued job), in
+        words; None when none will. A local run's trainer lock says the rest (run_guard)."""
+        return None
+
     def tracker_tags(self) -> dict[str, str]:
         tags = {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
         origin = self.state().get(REPRODUCES_KEY) if self.run_file.is_file() else None

@@ -342,3 +342,29 @@ def retain(record: Any, layout: Any, project: str, root: Path) -> Outcome:
             except (OSError, ValueError):
                 continue
     return enforce(record, root, siblings=siblings, others=runs())
+
+
+def explain(record: Any, others: Iterable[Any] = ()) -> list[dict[str, Any]]:
+    """Every checkpoint ``record`` made, by step: ``state`` kept (with ``why``), deleting or
+    deleted (with the reason and when), for ``det-lab runs show``."""
+    state = record.state()
+    rows: list[dict[str, Any]] = []
+    try:
+        verdicts = {v.uuid: v for v in plan(record, others=others)}
+    except RetentionConfigError as exc:
+        verdicts, problem = {}, str(exc)
+    else:
+        problem = None
+    for entry in state.get("checkpoints") or []:
+        uuid, step = str(entry.get("uuid")), entry.get("step")
+        if entry.get(DELETING):
+            mark = entry[DELETING] if isinstance(entry[DELETING], dict) else {}
+            rows.append({"uuid": uuid, "step": step, "state": "deleting", "why": mark.get("reason", "")})
+            continue
+        v = verdicts.get(uuid)
+        why = ", ".join(v.keep) if v and v.keep else problem or "deleted at the next checkpoint"
+        rows.append({"uuid": uuid, "step": step, "state": "kept", "why": why})
+    for gone in state.get(DELETED_KEY) or []:
+        rows.append({"uuid": gone.get("uuid"), "step": gone.get("step"), "state": "deleted",
+                     "why": f"{gone.get('reason', '')} at {gone.get('deleted', '?')}"})
+    return sorted(rows, key=lambda r: (int(r["step"] or 0), r["state"]))

@@ -1,0 +1,347 @@
+"""``det-lab runs delete`` and ``det-lab runs prune``: whole local-style runs off the volume.
+
+:func:`plan_delete` (named runs) and :func:`plan_prune` (runs chosen by age, status, owner,
+project) read and change nothing; :func:`execute` deletes what a plan holds. Never deleted:
+
+- a run whose trainer lives (its lock, :mod:`~det_lab.trials.run_guard`) or whose Slurm job is
+  queued or running (:meth:`~det_lab.trials.record.RunRecord.scheduled`);
+- a run this user could not ``rm -r``: every directory of it, and the directory holding it, must
+  be writable and searchable by this user as Unix decides (owner, group, others; a sticky parent
+  needs the owner). Another member's run goes with the group's write rights, not otherwise;
+- a checkpoint another run still lists (a ``det-lab reproduce --continue`` run's start, or the
+  origin such a run started from), unless that run is deleted too;
+- the tracker runs: they are tagged ``det_lab.deleted`` through the run's journal, which is moved
+  beside the cluster trials' journals first (``outputs/<project>/tracking-journal/<run key>/``):
+  when the tracker does not answer the tag waits there and ``det-lab tracking sync`` delivers it.
+
+:func:`execute` marks the run ``deleting`` in run.json first, then tags, deletes its checkpoints,
+renames the directory to a hidden ``.<name>.deleting`` (gone from every listing at once) and removes
+it. A run killed on the way is still marked (or hidden): the next ``runs prune`` finishes it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import getpass
+import os
+import re
+import shutil
+import stat
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from det_lab.errors import UserError
+from det_lab.settings import LabSettings
+from det_lab.trials import retention, run_guard
+from det_lab.trials.expconf import project_of
+from det_lab.trials.listing import user_name
+from det_lab.trials.record import JOURNAL_DIR, LocalRunRecord, run_dirs
+from det_lab.volume import VolumeLayout
+
+#: run.json statuses a run can be pruned by (``running`` is refused: a live run is never deleted)
+STATUSES = ("finished", "failed", "stopped", "cancelled", "pruned", "died", "created", "queued", "deleting")
+#: run.json key of a deletion under way
+DELETING_KEY = "deleting"
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([mhdw])")
+_UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class PruneError(UserError):
+    """Bad input to ``runs delete``/``runs prune``, said in one line; nothing was changed."""
+
+
+@dataclass
+class PlannedRun:
+    """One run a plan deletes, or refuses to, and why."""
+
+    name: str
+    project: str
+    kind: str
+    owner: str
+    status: str
+    dir: Path
+    changed: float  # run.json's mtime
+    bytes: int = 0
+    checkpoints: list[Path] = field(default_factory=list)  # deleted with the run
+    kept_checkpoints: dict[str, str] = field(default_factory=dict)  # uuid -> the run that still lists it
+    trackers: list[str] = field(default_factory=list)  # what the tracker side will do, in words
+    refused: str | None = None  # why this run is not deleted
+    record: Any = field(default=None, repr=False)  # its run record (of its kind)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "project": self.project, "kind": self.kind, "owner": self.owner,
+                "status": self.status, "dir": str(self.dir), "bytes": self.bytes,
+                "checkpoints": [p.name for p in self.checkpoints], "kept_checkpoints": self.kept_checkpoints,
+                "trackers": self.trackers, "refused": self.refused}
+
+
+@dataclass
+class Plan:
+    """What ``runs delete``/``runs prune`` would do: ``runs`` go, ``refused`` stay."""
+
+    runs: list[PlannedRun] = field(default_factory=list)
+    refused: list[PlannedRun] = field(default_factory=list)
+    leftovers: list[Path] = field(default_factory=list)  # hidden .<name>.deleting directories of killed deletions
+
+    @property
+    def bytes(self) -> int:
+        return sum(r.bytes for r in self.runs)
+
+
+def parse_age(text: str) -> float:
+    """``30d``, ``12h``, ``2w``, ``90m`` in seconds; :class:`PruneError` for anything else."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if not match or float(match.group(1)) <= 0:
+        raise PruneError(f"--older-than {text}: expected a duration such as 30d, 12h, 2w or 90m")
+    return float(match.group(1)) * _UNITS[match.group(2)]
+
+
+def parse_statuses(text: str) -> set[str]:
+    """A comma-separated list of run statuses (``failed,stopped``); :class:`PruneError` for others."""
+    wanted = {s.strip().lower() for s in text.split(",") if s.strip()}
+    if "running" in wanted:
+        raise PruneError("--status running: a running run is never deleted; stop it first (det-lab runs cancel)")
+    unknown = sorted(wanted - set(STATUSES))
+    if unknown or not wanted:
+        raise PruneError(f"--status {text}: {', '.join(unknown) or 'empty'} is not a run status "
+                         f"(one or more of {', '.join(STATUSES)})")
+    return wanted
+
+
+# --- reading one run -----------------------------------------------------------------------------
+
+
+def live(run: LocalRunRecord, state: dict[str, Any]) -> str | None:
+    """Why ``run`` trains or will, in words (its trainer lives, its job is queued), else None."""
+    holder = run_guard.trainer(run.dir)
+    if holder is not None and holder.stale is None:
+        return f"it is training as pid {holder.pid} on host {holder.host}"
+    return run.scheduled(state)
+
+
+def status_of(run: LocalRunRecord, state: dict[str, Any]) -> str:
+    if state.get(DELETING_KEY):
+        return "deleting"
+    return run_guard.training_status(state, run.dir) if run.kind == "local" else str(state.get("status") or "created")
+
+
+def cannot_remove(tree: Path) -> str | None:
+    """Why this user could not ``rm -r tree`` (Unix permissions, as rm would meet them), or None."""
+    parent = tree.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by {getpass.getuser()}"
+    pst = parent.stat()
+    if pst.st_mode & stat.S_ISVTX and os.geteuid() not in (0, pst.st_uid, tree.lstat().st_uid):
+        return f"{parent} is sticky and {tree.name} is not {getpass.getuser()}'s"
+    if not tree.is_dir() or tree.is_symlink():
+        return None
+    unreadable: list[OSError] = []
+    for dirpath, _, _ in os.walk(tree, onerror=unreadable.append):  # os.walk does not follow links
+        if not os.access(dirpath, os.R_OK | os.W_OK | os.X_OK):
+            return f"{dirpath} is not writable by {getpass.getuser()} (the group needs write rights)"
+    if unreadable:
+        return f"{unreadable[0].filename} cannot be read by {getpass.getuser()}"
+    return None
+
+
+def _tree_bytes(tree: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(tree):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def _describe_trackers(run: LocalRunRecord) -> list[str]:
+    from det_lab.tracking.late_tags import recorded_targets, unreachable
+
+    targets = recorded_targets(run.journal_dir)
+    if not targets:
+        return ["no tracker run recorded"]
+    summary = run.tracking_summary() or {}
+    ids = {b.get("backend"): b.get("run_id") for b in summary.get("backends", [])}
+    out = []
+    for backend, target in targets.items():
+        why = unreachable(target)
+        what = f"{backend} run {ids.get(backend) or '?'}"
+        out.append(f"{what}: tagged det_lab.deleted" if why is None else
+                   f"{what}: {backend} is down ({why}): the tag waits in the journal for det-lab tracking sync")
+    return out
+
+
+def _planned(settings: LabSettings, run: LocalRunRecord, owners: dict[int, str]) -> PlannedRun | None:
+    try:
+        state = run.state()
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        st = run.dir.stat()
+        return PlannedRun(run.dir.name, run.dir.parent.parent.name, run.kind, user_name(st.st_uid, owners),
+                          "damaged", run.dir, st.st_mtime, refused=str(exc))
+    conf = state.get("exp_conf") or {}
+    owner = state.get("user") or user_name(run.run_file.stat().st_uid, owners)
+    planned = PlannedRun(str(state.get("name") or run.dir.name), project_of(conf), run.kind, owner,
+                         status_of(run, state), run.dir, run.run_file.stat().st_mtime, record=run)
+    planned.refused = live(run, state)
+    root = VolumeLayout.from_settings(settings).experiment_checkpoints(planned.project, conf)
+    for entry in state.get("checkpoints") or []:
+        path = retention.checkpoint_path(root, str(entry.get("uuid")))
+        if path is not None and os.path.lexists(path):
+            planned.checkpoints.append(path)
+    return planned
+
+
+def _all_runs(settings: LabSettings, projects: Iterable[str] | None = None) -> list[LocalRunRecord]:
+    layout = VolumeLayout.from_settings(settings)
+    return [cls(d) for p in sorted(projects or settings.projects) for d, cls in run_dirs(layout, p)]
+
+
+def _finish(settings: LabSettings, plan: Plan, every: list[LocalRunRecord]) -> Plan:
+    """Sizes, permissions, shared checkpoints and tracker words for the runs a plan would delete."""
+    chosen = {r.dir for r in plan.runs}
+    others = [r for r in every if r.dir not in chosen]
+    for p in list(plan.runs):
+        if p.refused is None:
+            p.refused = cannot_remove(p.dir) or next((why for why in map(cannot_remove, p.checkpoints) if why), None)
+        if p.refused is not None:
+            plan.runs.remove(p)
+            plan.refused.append(p)
+            continue
+        used = retention.used_elsewhere(others, p.dir, {c.name for c in p.checkpoints})
+        p.kept_checkpoints = used
+        p.checkpoints = [c for c in p.checkpoints if c.name not in used]
+        p.bytes = _tree_bytes(p.dir) + sum(_tree_bytes(c) for c in p.checkpoints)
+        p.trackers = _describe_trackers(LocalRunRecord(p.dir))
+    layout = VolumeLayout.from_settings(settings)
+    roots = {r.dir.parent for r in every} | {LocalRunRecord.runs_root(layout, p) for p in settings.projects}
+    plan.leftovers = sorted(d for root in roots if root.is_dir() for d in root.glob(".*.deleting"))
+    return plan
+
+
+def plan_delete(settings: LabSettings, names: list[str]) -> Plan:
+    """The plan of ``runs delete NAMES``: every name must be a run this user may delete and that
+    does not train; otherwise :class:`PruneError` naming the first that is not (nothing changes)."""
+    if not names:
+        raise PruneError("name the runs to delete (det-lab runs list shows them)")
+    every = _all_runs(settings)
+    by_name: dict[str, LocalRunRecord] = {}
+    for r in every:
+        by_name.setdefault(r.dir.name, r)
+    plan, owners = Plan(), {}
+    for name in dict.fromkeys(names):
+        if name not in by_name:
+            raise PruneError(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
+        planned = _planned(settings, by_name[name], owners)
+        if planned is None:
+            raise PruneError(f"run {name} was deleted meanwhile")
+        plan.runs.append(planned)
+    _finish(settings, plan, every)
+    if plan.refused:
+        first = plan.refused[0]
+        raise PruneError(f"run {first.name} cannot be deleted: {first.refused}; nothing was deleted")
+    return plan
+
+
+def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses: str | None = None,
+               user: str | None = None, project: str | None = None, now: float | None = None) -> Plan:
+    """The plan of ``runs prune``: runs whose run.json has not changed for ``older_than`` (``30d``),
+    whose status is one of ``statuses`` (``failed,stopped``), of Unix ``user``, in ``project``; runs
+    that train, or that this user may not delete, are listed as refused. At least one filter."""
+    if not any((older_than, statuses, user, project)):
+        raise PruneError("say which runs to prune: --older-than, --status, --user and/or --project")
+    age = parse_age(older_than) if older_than else None
+    wanted = parse_statuses(statuses) if statuses else None
+    if project:
+        try:
+            settings.project(project)
+        except ValueError as exc:
+            raise PruneError(str(exc)) from None
+    every = _all_runs(settings)
+    now = time.time() if now is None else now
+    plan, owners = Plan(), {}
+    for run in every:
+        if project and run.dir.parent.parent.name != project:
+            continue
+        p = _planned(settings, run, owners)
+        if p is None or (user and p.owner != user):
+            continue
+        if age is not None and now - p.changed < age:
+            continue
+        if wanted is not None and p.status not in wanted and p.status != "deleting":
+            continue
+        (plan.refused if p.refused else plan.runs).append(p)
+    plan.runs.sort(key=lambda r: (r.project, r.changed))
+    return _finish(settings, plan, every)
+
+
+# --- doing it ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Deleted:
+    """What :func:`execute` did to one run."""
+
+    name: str
+    bytes: int
+    checkpoints: int
+    trackers: list[str]
+
+
+def _tag(run: LocalRunRecord, planned: PlannedRun, settings: LabSettings) -> list[str]:
+    """Move the run's journal out of its directory and tag its tracker runs deleted."""
+    from det_lab.tracking.late_tags import recorded_targets, tag_ended_run
+
+    journal = run.journal_dir
+    key = str(run.state().get("run_key") or f"{run.kind}-{planned.name}")
+    kept = VolumeLayout.from_settings(settings).outputs(planned.project) / JOURNAL_DIR / key
+    if recorded_targets(journal) and not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        os.rename(journal, kept)
+    if not recorded_targets(kept):  # no tracker, or a deletion killed after the move: tag (again) below
+        return ["no tracker run recorded"]
+    tags = {"det_lab.deleted": "true", "det_lab.deleted_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "det_lab.deleted_by": getpass.getuser(), "det_lab.deleted_run_dir": str(run.dir)}
+    summary = tag_ended_run(kept, tags, timeout=10.0)
+    out = []
+    for b in summary.backends:
+        if b.pending == 0:
+            out.append(f"{b.backend} run {b.run_id}: tagged det_lab.deleted")
+        else:
+            out.append(f"{b.backend} run {b.run_id}: tag pending in {kept} ({b.error or 'not delivered yet'}); "
+                       "det-lab tracking sync delivers it")
+    if summary.complete:
+        shutil.rmtree(kept, ignore_errors=True)  # everything delivered: the journal has done its work
+    return out
+
+
+def execute(settings: LabSettings, plan: Plan, progress: Callable[[str], None] | None = None) -> list[Deleted]:
+    """Delete every run of ``plan`` (see the module docstring for the order), and finish killed deletions."""
+    done = []
+    for leftover in plan.leftovers:
+        shutil.rmtree(leftover, ignore_errors=True)
+    for p in plan.runs:
+        run = p.record or LocalRunRecord(p.dir)
+        if progress:
+            progress(f"deleting run {p.name}")
+        state = run.state()
+        if live(run, state):  # started since the plan was made
+            continue
+        if not state.get(DELETING_KEY):
+            run.update(**{DELETING_KEY: {"since": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+                                         "by": getpass.getuser()}})
+        trackers = _tag(run, p, settings)
+        for ckpt in p.checkpoints:
+            retention.remove_checkpoint(ckpt)
+        hidden = p.dir.parent / f".{p.dir.name}.deleting"
+        if hidden.exists():  # the same name deleted before, killed mid-way
+            shutil.rmtree(hidden)
+        os.rename(p.dir, hidden)
+        shutil.rmtree(hidden)
+        done.append(Deleted(p.name, p.bytes, len(p.checkpoints), trackers))
+    return done
