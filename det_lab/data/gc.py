@@ -82,6 +82,7 @@ class ProjectGc:
     project: str
     evict: list[Eviction] = field(default_factory=list)
     remove: list[Path] = field(default_factory=list)  # cache objects
+    inodes: dict[Path, int] = field(default_factory=dict)  # each one's inode when the plan was made
     leftovers: list[Path] = field(default_factory=list)  # ``.evict-*`` directories of a killed collection
     kept_objects: int = 0
     freed_bytes: int = 0
@@ -159,12 +160,14 @@ def _plan_project(layout: VolumeLayout, project: str, repos: set[str], roots: se
             pg.kept_objects += 1
             continue
         try:
-            if os.lstat(path).st_ctime > written_before:
-                pg.kept_objects += 1  # written by a pull that may still be publishing it
-                continue
+            st = os.lstat(path)
         except FileNotFoundError:
             continue
+        if st.st_ctime > written_before:
+            pg.kept_objects += 1  # written by a pull that may still be publishing it
+            continue
         pg.remove.append(path)
+        pg.inodes[path] = st.st_ino
     pg.freed_bytes = _freed(pg, pg.remove)
     return pg
 
@@ -319,8 +322,7 @@ def apply(settings: LabSettings, plan_: GcPlan) -> GcReport:
     """Carry out ``plan_`` (made under :func:`gc_lock`), re-checking each step as it goes."""
     layout = VolumeLayout.from_settings(settings)
     report = GcReport()
-    now = time.time()
-    cutoff, written_before = now - plan_.days * 86400, now - grace_s()
+    cutoff = time.time() - plan_.days * 86400
     for pg in plan_.projects:
         for leftover in pg.leftovers:
             _force_rmtree(leftover)
@@ -332,8 +334,10 @@ def apply(settings: LabSettings, plan_: GcPlan) -> GcReport:
         for obj in pg.remove:
             try:
                 st = os.lstat(obj)
-                if st.st_nlink > 1 or st.st_ctime > written_before:
-                    report.kept_back.append(f"{obj}: linked or written since the plan was made")
+                # evicting a snapshot dropped its links; one made since (a pull) or a rewritten
+                # object (a repair) is not what the plan saw
+                if st.st_nlink > 1 or st.st_ino != pg.inodes.get(obj):
+                    report.kept_back.append(f"{obj}: linked or written again since the plan was made")
                     continue
                 obj.unlink()
                 report.removed += 1
