@@ -3,7 +3,9 @@
 Dashboards are defined here once; ``det-lab monitor config`` writes them as Grafana JSON and
 ``det-lab monitor report`` plots the same panels. ``needs`` says what a panel's series need beyond
 det_lab's exporter on a Slurm lab: ``gpu`` (an NVIDIA driver where the exporter runs),
-``determined`` (a Determined master and dcgm-exporter), ``accounting`` (slurmdbd).
+``determined`` (a Determined master and dcgm-exporter), ``accounting`` (slurmdbd). ``unit`` is a
+Grafana unit, never its unitless ``short``: counts are ``count:<what they count>`` (Grafana's custom
+count unit; the report draws them on a whole-number axis from 0).
 """
 
 from __future__ import annotations
@@ -20,8 +22,14 @@ class Panel:
     title: str
     expr: str
     legend: str = ""
-    unit: str = "short"
+    unit: str = "none"  # a Grafana unit: count:<what> for counts, bytes, s, percentunit, bool_yes_no ...
     needs: str = ""
+
+    @property
+    def stacked(self) -> bool:
+        """A count of disjoint things (GPUs per user, jobs per state) is drawn stacked: the bands sum to
+        the whole. A 0/1 state is not."""
+        return self.unit.startswith("count:")
 
     @property
     def labels(self) -> list[str]:
@@ -38,45 +46,45 @@ class Dashboard:
 
 DASHBOARDS = (
     Dashboard("det-lab-overview", "det-lab: lab overview", (
-        Panel("GPUs by state (Slurm)", "sum by (state) (det_lab_slurm_gpus)", "{{state}}"),
-        Panel("GPUs allocated per user (Slurm)", "lab:user_gpus_allocated:sum", "{{user}}"),
-        Panel("Jobs by state", "sum by (state) (det_lab_slurm_jobs)", "{{state}}"),
+        Panel("GPUs by state (Slurm)", "sum by (state) (det_lab_slurm_gpus)", "{{state}}", "count:GPUs"),
+        Panel("GPUs allocated per user (Slurm)", "lab:user_gpus_allocated:sum", "{{user}}", "count:GPUs"),
+        Panel("Slurm jobs by state", "sum by (state) (det_lab_slurm_jobs)", "{{state}}", "count:jobs"),
         Panel("Quota used per project", "lab:project_quota_used:ratio", "{{project}}", "percentunit"),
-        Panel("Runs by status", "sum by (status) (det_lab_runs)", "{{status}}"),
-        Panel("Exporter sources failing", "det_lab_scrape_error", "{{instance}} {{source}}"),
+        Panel("det-lab runs by status", "sum by (status) (det_lab_runs)", "{{status}}", "count:runs"),
+        Panel("Exporter sources failing", "det_lab_scrape_error", "{{instance}} {{source}}", "bool_yes_no"),
     )),
     Dashboard("det-lab-gpus", "det-lab: GPUs by user", (
         Panel("GPUs allocated per user and partition (Slurm)", "sum by (user, partition) (det_lab_slurm_user_gpus_allocated)",
-              "{{user}} {{partition}}"),
+              "{{user}} {{partition}}", "count:GPUs"),
         Panel("GPU utilisation by holder", "lab:gpu_holder_utilization:ratio", "{{user}} {{host}}/{{gpu}} job {{slurm_job}}",
               "percentunit", "gpu"),
         Panel("GPU memory per user", "sum by (user) (det_lab_gpu_process_memory_bytes)", "{{user}}", "bytes", "gpu"),
-        Panel("GPUs held per user", "lab:user_gpus_held:count", "{{user}}", "short", "gpu"),
+        Panel("GPUs held per user (NVML)", "lab:user_gpus_held:count", "{{user}}", "count:GPUs", "gpu"),
         Panel("Determined tasks' GPU utilisation", "lab:det_gpu_task_utilization:percent",
               "{{task_id}} {{gpu_uuid}}", "percent", "determined"),
-        Panel("Fair-share per user", "det_lab_slurm_fairshare", "{{account}} {{user}}", "short", "accounting"),
+        Panel("Fair-share per user", "det_lab_slurm_fairshare", "{{account}} {{user}}", "none", "accounting"),
     )),
     Dashboard("det-lab-queue", "det-lab: the queue", (
-        Panel("Jobs by user and state", "sum by (user, state) (det_lab_slurm_jobs)", "{{user}} {{state}}"),
+        Panel("Slurm jobs by user and state", "sum by (user, state) (det_lab_slurm_jobs)", "{{user}} {{state}}", "count:jobs"),
         Panel("Pending jobs' wait so far", "det_lab_slurm_job_pending_seconds", "{{user}} job {{job_id}}: {{reason}}", "s"),
-        Panel("Nodes by partition and state", "det_lab_slurm_nodes", "{{partition}} {{state}}"),
-        Panel("GPUs by partition and state", "det_lab_slurm_gpus", "{{partition}} {{state}}"),
+        Panel("Slurm nodes by partition and state", "det_lab_slurm_nodes", "{{partition}} {{state}}", "count:nodes"),
+        Panel("GPUs by partition and state (Slurm)", "det_lab_slurm_gpus", "{{partition}} {{state}}", "count:GPUs"),
     )),
     Dashboard("det-lab-volume", "det-lab: volume and data", (
         Panel("Bytes per project", "det_lab_volume_project_bytes", "{{project}}", "bytes"),
         Panel("Bytes per project and area", "det_lab_volume_area_bytes", "{{project}} {{area}}", "bytes"),
-        Panel("Free space", "det_lab_volume_free_bytes / det_lab_volume_size_bytes", "free", "percentunit"),
-        Panel("Dataset snapshots per project", "det_lab_volume_snapshots", "{{project}}"),
+        Panel("Free space on the volume", "det_lab_volume_free_bytes / det_lab_volume_size_bytes", "free", "percentunit"),
+        Panel("Dataset snapshots per project", "det_lab_volume_snapshots", "{{project}}", "count:snapshots"),
     )),
     Dashboard("det-lab-runs", "det-lab: runs and trackers", (
         Panel("Runs by project, scheduler, template and status", "det_lab_runs",
-              "{{project}} {{kind}} {{template}} {{status}}"),
+              "{{project}} {{kind}} {{template}} {{status}}", "count:runs"),
         Panel("Running runs: seconds since their last metric", "det_lab_run_last_metric_age_seconds",
               "{{run}} ({{user}})", "s"),
-        Panel("Undelivered tracker events", "det_lab_tracker_undelivered_events", "{{run}} -> {{backend}}"),
+        Panel("Undelivered tracker events", "det_lab_tracker_undelivered_events", "{{run}} -> {{backend}}", "count:events"),
         Panel("Age of the oldest undelivered event", "det_lab_tracker_oldest_undelivered_seconds",
               "{{run}} -> {{backend}}", "s"),
-        Panel("Tracker servers answering", "det_lab_tracker_up", "{{backend}} {{target}}"),
+        Panel("Tracker servers answering", "det_lab_tracker_up", "{{backend}} {{target}}", "bool_yes_no"),
     )),
 )
 
@@ -89,7 +97,9 @@ def grafana_json(dashboard: Dashboard) -> dict[str, Any]:
             "id": i + 1, "type": "timeseries", "title": p.title,
             "datasource": {"type": "prometheus", "uid": DATASOURCE_UID},
             "gridPos": {"h": 8, "w": 12, "x": 12 * (i % 2), "y": 8 * (i // 2)},
-            "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+            "fieldConfig": {"defaults": {"unit": p.unit, **({"decimals": 0, "min": 0, "custom": {
+                "stacking": {"mode": "normal"}, "lineInterpolation": "stepAfter", "fillOpacity": 60}}
+                if p.stacked else {})}, "overrides": []},
             "targets": [{"refId": "A", "expr": p.expr, "legendFormat": p.legend or "__auto",
                          "datasource": {"type": "prometheus", "uid": DATASOURCE_UID}}],
         }

@@ -62,34 +62,95 @@ class PanelImage:
     series: int
 
 
+_BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+_DURATIONS = ((86400.0, "days"), (3600.0, "hours"), (60.0, "minutes"), (1.0, "seconds"))
+
+
+def value_axis(unit: str, peak: float) -> tuple[float, str, bool]:
+    """How to draw a panel's values: ``(divide by, axis label, whole numbers)`` for its Grafana ``unit``
+    and the largest value shown. Counts get a whole-number axis; bytes and seconds the largest unit
+    under the peak."""
+    if unit.startswith("count:"):
+        return 1.0, unit.removeprefix("count:"), True
+    if unit == "bytes":
+        power = 0
+        while power < len(_BINARY) - 1 and peak >= 1024 ** (power + 1):
+            power += 1
+        return float(1024 ** power), _BINARY[power], False
+    if unit == "s":
+        scale, name = next(((f, n) for f, n in _DURATIONS if peak >= 2 * f), (1.0, "seconds"))
+        return scale, name, False
+    if unit == "percentunit":
+        return 0.01, "%", False
+    if unit == "percent":
+        return 1.0, "%", False
+    if unit == "bool_yes_no":
+        return 1.0, "", True
+    return 1.0, "", False
+
+
 def plot(panel: Panel, result: list[dict[str, Any]], path: Path, span_s: float = 86400.0) -> None:
+    """Draw one panel's series over ``span_s`` seconds into the PNG ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(panel, result, span_s)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def figure(panel: Panel, result: list[dict[str, Any]], span_s: float = 86400.0):
+    """The matplotlib figure of one panel: its unit on the value axis (whole numbers from 0 for a
+    count, stacked; bytes and durations in the largest unit that fits; no/yes for a 0/1 state)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.dates as mdates
     import matplotlib.pyplot as plt
     from datetime import datetime
+    from matplotlib.ticker import MaxNLocator
 
-    fig, ax = plt.subplots(figsize=(7, 3.2), dpi=80)
-    for series in result:
+    stacked = panel.stacked
+    totals: dict[float, float] = {}
+    for series in result:  # per time: the sum of the bands when stacked, else the highest line
+        for t, v in series["values"]:
+            seen = totals.get(float(t), 0.0)
+            totals[float(t)] = seen + abs(float(v)) if stacked else max(seen, abs(float(v)))
+    peak = max(totals.values(), default=0.0)
+    scale, label, whole = value_axis(panel.unit, peak)
+    fig, ax = plt.subplots(figsize=(7.5, 3.4), dpi=80)
+    if stacked and result:  # a count of disjoint things (GPUs per user): the bands add up to the whole
+        times = sorted(totals)
+        rows = [[dict((float(t), float(v)) for t, v in series["values"]).get(t, 0.0) / scale for t in times]
+                for series in result]
+        ax.stackplot([datetime.fromtimestamp(t) for t in times], rows, step="post", alpha=0.85,
+                     labels=[legend(panel, series["metric"]) for series in result])
+    for series in result if not stacked else ():
         xs = [datetime.fromtimestamp(float(t)) for t, _ in series["values"]]
-        ys = [float(v) for _, v in series["values"]]
-        ax.plot(xs, ys, label=legend(panel, series["metric"]), linewidth=1.5)
-    ax.set_title(panel.title, fontsize=10, loc="left")
+        ys = [float(v) / scale for _, v in series["values"]]
+        ax.plot(xs, ys, label=legend(panel, series["metric"]), linewidth=1.5, drawstyle="steps-post" if whole else "default")
+    ax.set_title(panel.title, fontsize=11, loc="left")
     if result:
-        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     else:
         ax.text(0.5, 0.5, "no data" + (f" (needs {panel.needs})" if panel.needs else ""), ha="center",
                 va="center", transform=ax.transAxes, color="grey")
     ax.xaxis.set_major_formatter(mdates.DateFormatter(
         "%m-%d %H:%M" if span_s > 86400 else "%H:%M" if span_s > 3600 else "%H:%M:%S"))
-    ax.tick_params(labelsize=7)
-    ax.set_ylabel(panel.unit, fontsize=7)
+    if panel.unit == "bool_yes_no":
+        ax.set_ylim(-0.1, 1.1)
+        ax.set_yticks([0, 1], ["no", "yes"])
+    elif whole:  # a count: whole numbers from 0, never 0.96 ... 1.04 around a constant
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylim(0, max(peak / scale * 1.1, 1))
+    elif result and panel.unit in ("percentunit", "percent", "bytes", "s"):
+        ax.set_ylim(bottom=0)
+    ax.tick_params(labelsize=8)
+    ax.set_ylabel(label, fontsize=9)
+    ax.set_xlabel("local time", fontsize=8)
     ax.grid(alpha=0.3)
     fig.autofmt_xdate()
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
 def build_report(url: str, since_s: int, out: Path, end: float | None = None) -> Path:
