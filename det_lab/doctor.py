@@ -69,6 +69,7 @@ def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) 
         _gpu_checks,
         lambda: _service_checks(settings),
         lambda: _backup_checks(settings),
+        lambda: _bind_source_checks(settings),
         lambda: _tsdb_checks(mounts_file),
         lambda: _accounting_checks(settings),
     ):
@@ -391,6 +392,29 @@ def _backup_checks(settings: LabSettings) -> Iterator[Check]:
     found = backup_check(settings)
     if found is not None:
         yield Check("backups", *found)
+
+
+def _bind_source_checks(settings: LabSettings) -> Iterator[Check]:
+    """Every host path a task bind-mounts exists here (Docker refuses a missing one), where this
+    lab has a cluster config; a fail on the cluster's own machines, a warn elsewhere."""
+    import socket
+
+    from det_lab.cluster.bind_sources import missing_bind_sources
+    from det_lab.cluster.settings import ClusterConfigError, load_cluster_settings
+
+    try:
+        cluster = load_cluster_settings(settings)
+    except ClusterConfigError:
+        return  # the backup check reports the damaged file
+    if cluster.source is None:
+        return
+    host = socket.gethostname()
+    ours = host == cluster.master_host or any(host in p.agents for p in cluster.pools)
+    missing = missing_bind_sources(settings, cluster)
+    for detail, fix in missing:
+        yield Check("bind mounts", "fail" if ours else "warn", detail, fix)
+    if not missing:
+        yield Check("bind mounts", "pass", "every host path task containers bind-mount exists here")
 
 
 def _tsdb_checks(mounts_file: Path, tsdb_dirs: list[Path] | None = None) -> Iterator[Check]:

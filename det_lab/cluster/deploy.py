@@ -35,6 +35,7 @@ from typing import Any
 import yaml
 
 from det_lab.cluster import schema
+from det_lab.cluster.bind_sources import check_bind_sources
 from det_lab.cluster.config import DB_HOST, render_agent, render_master
 from det_lab.cluster.plan import agent_yaml_path, master_yaml_path, use_gpus
 from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensure_private_dir, write_private
@@ -68,6 +69,13 @@ class PreflightFailed(DeployError):
 def preflight(lab: LabSettings) -> list[Check]:
     """The failing doctor checks that must stop ``up`` (empty: go)."""
     return [c for c in run_checks(lab) if c.status == "fail" and c.name != "master"]
+
+
+def _require_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str) -> None:
+    """Refuse to start an agent whose tasks would fail at container creation (a missing bind source)."""
+    problem = check_bind_sources(lab, cluster, pool)
+    if problem:
+        raise DeployError(problem)
 
 
 def docker_client(timeout: int = 10) -> Any:
@@ -235,6 +243,7 @@ def up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str,
     failed = preflight(lab)
     if failed:
         raise PreflightFailed(failed)
+    _require_bind_sources(lab, cluster, cluster.pool_of_agent(agent_id).name)
     client = client if client is not None else docker_client()
     dep = import_deploy()
     _shared_client(dep, client)
@@ -262,6 +271,7 @@ def agent_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id
     failed = preflight(lab)  # above all: the volume must be mounted here at the same path
     if failed:
         raise PreflightFailed(failed)
+    _require_bind_sources(lab, cluster, pool or cluster.pool_of_agent(agent_id).name)
     client = client if client is not None else docker_client()
     dep = import_deploy()
     _shared_client(dep, client)
