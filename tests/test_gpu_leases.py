@@ -1,0 +1,326 @@
+"""GPU leases for ``det-lab run --local`` on a machine whose GPUs are the NVML stand-in
+(``tests/nvml_shim.c``, loaded by nvidia-ml-py as the driver's library): real ``det-lab run``
+processes, real trials (``det_lab.core``), root and a second Unix user, holders killed with -9.
+
+Each trial writes the ``CUDA_VISIBLE_DEVICES`` it saw and when it ran; the leases are read back from
+the journal's raw lines on the volume, so a GPU given twice, a trial on a GPU its lease does not
+name, a lease left behind or a total that is not the leases' durations fails. What the stand-in
+cannot show: that CUDA honours ``CUDA_VISIBLE_DEVICES`` by UUID (it does: CUDA's documented form).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import VENV_BIN
+from tests.test_monitoring_nvml import build_shim
+
+UUIDS = ["GPU-0c3e5a71-2b4d-4e8f-9a10-5d6c7b8e9f01", "GPU-1f9d8c7b-6a5e-4d3c-8b2a-19f8e7d6c5b4",
+         "GPU-2a8e7d6c-5b4a-4c3b-9d2e-1f0a9b8c7d6e", "GPU-3b9f8e7d-6c5b-4d4c-8e3f-2a1b0c9d8e7f"]
+
+TRIAL = """\
+import json, os, time
+import det_lab.core
+
+with det_lab.core.init() as ctx:
+    t0 = time.time()
+    while time.time() < t0 + float(os.environ.get("TRIAL_SECONDS", "1")) and not ctx.preempt.should_preempt():
+        time.sleep(0.1)
+    ctx.train.report_training_metrics(1, {"loss": 1.0})
+    ctx.train.report_validation_metrics(1, {"val_loss": 1.0})
+    (ctx.outputs_dir / "gpus.json").write_text(json.dumps(
+        {"cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "start": t0, "end": time.time()}))
+"""
+
+
+def trial_config(slots: int | None = 1) -> dict:
+    conf = {"name": "gpu-trial", "entrypoint": "python3 train.py",
+            "searcher": {"name": "single", "metric": "val_loss", "smaller_is_better": True},
+            "hyperparameters": {}, "max_restarts": 0,
+            "data": {"det_lab": {"project": "vla", "max_length": {"batches": 1}}}}
+    if slots is not None:
+        conf["resources"] = {"slots_per_trial": slots}
+    return conf
+
+
+def gpu_lines(n: int, procs: dict[int, list[int]] | None = None) -> str:
+    """The stand-in's config: ``n`` GPUs, ``procs[i]`` the pids NVML lists on GPU i (distinct memory each)."""
+    out = []
+    for i in range(n):
+        out.append(f"gpu {UUIDS[i]} {10 + i} {5 + i} {1_000_000 + i} {40_000_000_000 + i} NVIDIA A100 #{i}\n")
+        out += [f"proc {pid} {(k + 1) * 1_048_576_000 + i}\n" for k, pid in enumerate((procs or {}).get(i, []))]
+    return "".join(out)
+
+
+class Machine:
+    """A lab on a GPU machine: the stand-in's GPUs, a lease directory, a trial template, det-lab to run."""
+
+    def __init__(self, base: Path, nvml: dict[str, Path], data: Path, config: Path, bin_dir: Path = VENV_BIN) -> None:
+        self.base, self.nvml, self.data, self.config, self.bin = base, nvml, data, config, bin_dir
+        self.state = base / "gpu-state"
+        self.state.mkdir(mode=0o777)
+        self.state.chmod(0o777)
+        self.trial = base / "trial"
+        self.trial.mkdir()
+        (self.trial / "train.py").write_text(TRIAL)
+        self.write_trial(1)
+        self.trial.chmod(0o755)
+
+    def write_trial(self, slots: int | None) -> None:
+        (self.trial / "const.yaml").write_text(yaml.safe_dump(trial_config(slots)))
+
+    def set_gpus(self, text: str) -> None:
+        tmp = self.nvml["config"].with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o644)
+        tmp.replace(self.nvml["config"])
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "NVML_SHIM_", "LD_", "MLFLOW_",
+                                                                          "SLURM_", "DET_TASK", "CUDA_"))}
+        env.update(DET_LAB_CONFIG=str(self.config), LD_LIBRARY_PATH=str(self.nvml["lib"]),
+                   NVML_SHIM_CONFIG=str(self.nvml["config"]), DET_LAB_GPU_STATE_DIR=str(self.state), COLUMNS="200",
+                   XDG_CONFIG_HOME=str(self.base / "xdg"), **extra)
+        return env
+
+    def start(self, *args: str, **extra: str) -> subprocess.Popen:
+        return subprocess.Popen([str(self.bin / "det-lab"), *args], env=self.env(**extra), cwd=self.base,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def cli(self, *args: str, **extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(self.bin / "det-lab"), *args], env=self.env(**extra), cwd=self.base,
+                              capture_output=True, text=True, timeout=300)
+
+    def run(self, *args: str, **extra: str) -> subprocess.Popen:
+        return self.start("run", str(self.trial), "--local", *args, **extra)
+
+    def status(self) -> dict:
+        out = self.cli("gpus", "--json")
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout)
+
+    def wait_for(self, what, timeout: float = 120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = what(self.status())
+            if found:
+                return found
+            time.sleep(0.3)
+        raise AssertionError(f"not reached in {timeout} s: {self.status()}")
+
+    def leases(self) -> dict[str, dict]:
+        """Every lease in the journal's raw lines, start joined with its end."""
+        out: dict[str, dict] = {}
+        ends: dict[str, dict] = {}
+        for path in (self.data / ".det-lab/gpus/journal").glob("*.jsonl"):
+            for line in path.read_text().splitlines():
+                e = json.loads(line)
+                if e["event"] == "start":
+                    out[e["lease"]] = e
+                else:
+                    ends.setdefault(e["lease"], e)
+        for lease, end in ends.items():
+            out[lease]["end"], out[lease]["how"] = end["at"], end["how"]
+        return out
+
+    def runs(self) -> dict[str, dict]:
+        """Each run's run.json and what its trial saw (``gpus.json``, None before it ran)."""
+        out = {}
+        for d in (self.data / "outputs/vla/local-runs").iterdir():
+            if d.name.startswith("."):
+                continue
+            seen = d / "gpus.json"
+            out[d.name] = {"state": json.loads((d / "run.json").read_text()),
+                           "trial": json.loads(seen.read_text()) if seen.exists() else None}
+        return out
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def shim():
+    base = Path(tempfile.mkdtemp(prefix="det-lab-nvml-"))
+    base.chmod(0o755)  # a second user loads the library too
+    nvml = build_shim(base)
+    nvml["config"].chmod(0o644)
+    yield nvml
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def machine(tmp_path, shim) -> Machine:
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(tmp_path / "data"),
+                                                       "tracking": {"backend": "none"}}))
+    m = Machine(tmp_path, shim, tmp_path / "data", tmp_path / "lab.yaml")
+    m.set_gpus(gpu_lines(2))
+    assert m.cli("init").returncode == 0
+    return m
+
+
+@pytest.fixture
+def sleeper():
+    """Real processes to list on a GPU, as someone's plain ``python train.py`` is."""
+    procs: list[subprocess.Popen] = []
+
+    def start(user: str | None = None) -> int:
+        kw = {"user": user, "group": "nogroup", "extra_groups": []} if user else {}
+        procs.append(subprocess.Popen(["sleep", "600"], cwd="/", **kw))
+        return procs[-1].pid
+
+    yield start
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+def test_a_trial_sees_its_lease_and_the_lease_ends_with_the_run(machine):
+    """One run on 1 GPU, then one on 2: each trial sees CUDA_VISIBLE_DEVICES = its lease's UUIDs, the
+    lease covers the trial and ends with the run; nothing is held afterwards."""
+    t0 = time.time()
+    first = finish(machine.run())
+    machine.write_trial(2)
+    second = finish(machine.run())
+    t1 = time.time()
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    leases = sorted(machine.leases().values(), key=lambda e: e["since"])
+    assert [[g["uuid"] for g in e["gpus"]] for e in leases] == [[UUIDS[0]], [UUIDS[0], UUIDS[1]]]
+    runs = sorted(machine.runs().values(), key=lambda r: r["trial"]["start"])
+    for lease, run in zip(leases, runs):
+        assert run["state"]["status"] == "finished"
+        assert lease["run"] == run["state"]["name"] and lease["how"] == "released"
+        assert run["trial"]["cuda"] == ",".join(g["uuid"] for g in lease["gpus"])
+        assert t0 < lease["since"] < run["trial"]["start"] < run["trial"]["end"] < lease["end"] < t1
+    assert [g["holder"] for g in machine.status()["gpus"]] == [None, None]
+
+
+def test_no_gpus_zero_slots_and_scheduled_tasks_take_no_lease(machine):
+    """A machine without GPUs trains on the CPU as before (the trial's environment untouched); 0
+    slots on a GPU machine hides the GPUs; inside a Slurm job the run keeps the GPUs it was given."""
+    machine.set_gpus("")
+    assert finish(machine.run(CUDA_VISIBLE_DEVICES="kept-as-given")).returncode == 0
+    machine.set_gpus(gpu_lines(2))
+    machine.write_trial(0)
+    assert finish(machine.run()).returncode == 0
+    machine.write_trial(1)
+    assert finish(machine.run(SLURM_JOB_ID="4242", CUDA_VISIBLE_DEVICES="GPU-given-by-slurm")).returncode == 0
+    seen = [r["trial"]["cuda"] for r in sorted(machine.runs().values(), key=lambda r: r["trial"]["start"])]
+    assert seen == ["kept-as-given", "", "GPU-given-by-slurm"]
+    assert machine.leases() == {}
+
+
+def test_bad_input_is_one_line_and_starts_nothing(machine):
+    """``--gpus 7`` on a 2-GPU machine, a malformed ``--gpus``, a negative or too large slot count:
+    one error line each, no run directory, no lease."""
+    cases = [(("--gpus", "7"), "no GPU 7"), (("--gpus", "0,x"), "--gpus 0,x"),
+             (("--set", "resources.slots_per_trial=-1"), "slots_per_trial"),
+             (("--set", "resources.slots_per_trial=3"), "this machine has 2 GPU(s)")]
+    for args, words in cases:
+        out = finish(machine.run(*args))
+        assert out.returncode != 0, args
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (args, out.stderr)
+    assert not list((machine.data / "outputs/vla/local-runs").glob("*")) if \
+        (machine.data / "outputs/vla/local-runs").exists() else True
+    assert machine.leases() == {}
+
+
+def _held(machine: Machine, run: subprocess.Popen, index: int):
+    def check(status):
+        h = status["gpus"][index]["holder"]
+        return h if h and h["kind"] == "lease" and h["pid"] == run.pid else None
+    return check
+
+
+def test_a_holder_killed_with_9_frees_its_gpu_at_once(machine):
+    """``det-lab run`` killed with -9 while its trial trains: its GPU is free for the very next run
+    (no waiting for a timeout), and the journal ends its lease."""
+    run = machine.run("--gpus", "1", TRIAL_SECONDS="120")
+    holder = machine.wait_for(_held(machine, run, 1))
+    run.send_signal(signal.SIGKILL)
+    run.wait()
+    assert machine.status()["gpus"][1]["holder"] is None
+    after = finish(machine.run("--gpus", "1"))
+    assert after.returncode == 0, after.stderr
+    leases = machine.leases()
+    assert leases[holder["lease"]]["how"] == "holder gone"
+    assert sorted(e["how"] for e in leases.values()) == ["holder gone", "released"]
+
+
+def test_a_process_outside_det_lab_keeps_its_gpu(machine, sleeper):
+    """nobody's plain process on GPU 0: a run takes GPU 1; asking for GPU 0 is refused naming the
+    process (user, pid, command, memory); so is a run when both GPUs are busy."""
+    pid = sleeper("nobody")
+    machine.set_gpus(gpu_lines(2, {0: [pid]}))
+    out = finish(machine.run())
+    assert out.returncode == 0, out.stderr
+    (run,) = machine.runs().values()
+    assert run["trial"]["cuda"] == UUIDS[1]
+    refused = finish(machine.run("--gpus", "0"))
+    assert refused.returncode != 0
+    assert f"nobody's pid {pid} (sleep 600, 1,000 MiB)" in refused.stderr, refused.stderr
+    machine.set_gpus(gpu_lines(2, {0: [pid], 1: [pid]}))
+    refused = finish(machine.run())
+    assert "both GPUs held" in refused.stderr and "--queue" in refused.stderr, refused.stderr
+    assert len(machine.runs()) == 1
+
+
+def test_gpus_taken_by_a_run_are_refused_naming_it(machine):
+    """``--gpus 0`` while a run holds GPU 0: refused with the holder's user, run and since; ``--gpus 1``
+    beside it runs."""
+    run = machine.run("--gpus", "0", TRIAL_SECONDS="120")
+    try:
+        holder = machine.wait_for(_held(machine, run, 0))
+        refused = finish(machine.run("--gpus", "0"))
+        since = time.strftime("%H:%M", time.localtime(holder["since"]))
+        assert refused.returncode != 0
+        assert f"GPU 0 held by root {holder['run']} since {since}" in refused.stderr, refused.stderr
+        beside = finish(machine.run("--gpus", "1"))
+        assert beside.returncode == 0, beside.stderr
+    finally:
+        run.send_signal(signal.SIGTERM)
+        finish(run)
+
+
+def test_limits_and_a_waiting_run_listed_and_cancelled(machine):
+    """root's gpu_limit of 1 (slurm.yaml's accounting.members, as for Slurm): a 2-GPU run is refused;
+    a second run with --queue waits on the limit, though a GPU is free, is listed as waiting in
+    words by runs list, and runs cancel ends it (cancelled, never started)."""
+    slurm = machine.data / ".det-lab" / "slurm.yaml"
+    slurm.write_text(yaml.safe_dump({"accounting": {"members": [{"user": "root", "projects": ["vla"], "gpu_limit": 1}]}}))
+    two = finish(machine.run("--set", "resources.slots_per_trial=2"))
+    assert two.returncode != 0 and "root may hold at most 1 GPU(s)" in two.stderr, two.stderr
+    first = machine.run(TRIAL_SECONDS="120")
+    try:
+        machine.wait_for(_held(machine, first, 0))
+        queued = machine.run("--queue")
+        machine.wait_for(lambda s: s["queue"] and "limit of 1" in s["queue"][0]["waiting"])
+        listed = [json.loads(line) for line in machine.cli("runs", "list", "--json").stdout.splitlines()]
+        waiting = [r for r in listed if r["status"] == "waiting"]
+        assert len(waiting) == 1 and "root's limit of 1 GPU(s) at once is reached" in waiting[0]["waiting"]
+        assert machine.cli("runs", "cancel", waiting[0]["name"]).returncode == 0
+        out = finish(queued)
+        assert out.returncode != 0 and "cancelled while it waited" in out.stderr
+        assert machine.runs()[waiting[0]["name"]]["state"]["status"] == "cancelled"
+        assert machine.runs()[waiting[0]["name"]]["trial"] is None
+        assert machine.status()["queue"] == []
+    finally:
+        first.send_signal(signal.SIGTERM)
+        finish(first)
