@@ -145,6 +145,9 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         state = run.state()
         if not state.get("latest_checkpoint"):
             raise RunError(f"run {state['name']} has no checkpoint yet to resume from; start a new run")
+        if state.get("deleting"):  # det-lab runs delete was stopped mid-way: its checkpoints may be gone
+            raise RunError(f"run {state['name']} is being deleted; finish that with: "
+                           "det-lab runs prune --status deleting --yes")
         _require(tdir, state["hparams"])
         try:  # one trainer per run: refused while one lives; a dead one's lock is broken, with a warning
             stale = run_guard.break_stale(run.dir, state["name"])
