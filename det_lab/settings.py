@@ -125,6 +125,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_CLUSTER_CONFIG": EnvVar(_path, "cluster config file; same as `--cluster-config`"),
     "DET_LAB_CLUSTER_DIR": EnvVar(_path, "where cluster secrets and rendered files are kept"),
     "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
+    "DET_LAB_LOCAL_CACHE": EnvVar(_path, "set in cluster tasks: the agent's local-disk cache mounted into every "
+                                  "task (`tasks.local_cache`; gsplat's CUDA build in torch_extensions/)"),
     "DET_LAB_NOTEBOOK_OUT": EnvVar(_path, "where notebooks write plots (default ./notebook-out)"),
     "DET_LAB_NOTEBOOK_CONFIG": EnvVar(_path, "experiment config the notebooks submit"),
     "DET_LAB_NOTEBOOK_TRACKER": EnvVar(_choice("mlflow", "aim", "both"), "tracker the notebooks read (both: MLflow)",

@@ -97,7 +97,11 @@ def test_three_machines_with_pools(lab):
     assert master_errors(master) == []
     pools = {p["pool_name"]: p for p in master["resource_pools"]}
     assert list(pools) == ["default", "a6000", "l40s"]
-    assert pools["a6000"]["task_container_defaults"] == {"environment_variables": ["DET_LAB_GPU_KIND=a6000"]}
+    # the block repeats the master's scalars: Determined would reset them to its defaults otherwise
+    # (master/pkg/model/task_container_defaults.go:80-89; tests/test_task_standin.py merges it as the master does)
+    assert pools["a6000"]["task_container_defaults"] == {
+        "shm_size_bytes": 4 * 1024**3, "network_mode": "bridge", "preemption_timeout": 3600,
+        "environment_variables": ["DET_LAB_GPU_KIND=a6000"]}
     assert "task_container_defaults" not in pools["l40s"]
     assert master["resource_manager"]["default_aux_resource_pool"] == "a6000"
     assert master["resource_manager"]["scheduler"]["default_priority"] == 50

@@ -18,8 +18,17 @@ references, ``docs/reference/deploy/master-config-reference.rst`` and
   ``/determined_shared_fs``; keep the volume hard-mounted (fstab, not an expiring autofs map) on
   agent machines so that mount is there when a trial starts.
 - ``db``: a user master config *replaces* the built-in one, so user/host/port/name are here. The
-  password is not: ``det deploy local`` passes ``DET_DB_PASSWORD`` to the master container and the
-  master reads every key from ``DET_*`` variables.
+  password is not: ``det deploy local`` passes ``DET_DB_PASSWORD`` to the master container, and
+  the master reads that key (only keys it registers are read from ``DET_*`` variables:
+  ``master/cmd/determined-master/init.go`` ~l.83-143).
+- ``task_container_defaults.environment_variables``: ``DET_LAB_CONFIG`` names the task copy of the
+  lab config on the volume (:func:`publish_task_config`): a task's environment is only Determined's
+  variables, these defaults and the experiment's (``master/pkg/tasks/task.go`` ~l.194-260), so
+  without it a task would know none of the lab's projects, quotas or group.
+- ``shm_size_bytes``, ``network_mode``, ``preemption_timeout``: in the master's block and in every
+  pool's. Determined parses a pool's block with its own defaults filled in (4 GiB, bridge, 3600 s:
+  ``master/pkg/model/task_container_defaults.go`` ~l.80-89) and those win over the master's in the
+  merge (~l.183-335), so a pool block without them would reset the lab's values.
 - ``security.initial_user_password`` only in the private copy (see :mod:`det_lab.cluster.secrets`);
   ``feature_switches: [prevent_blank_password]`` makes a new cluster refuse a blank one.
 """
@@ -28,9 +37,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import grp
+import os
+from pathlib import Path
+
+import yaml
+
 from det_lab.cluster.settings import ClusterSettings, PoolSettings
 from det_lab.settings import LabSettings
-from det_lab.volume import VolumeLayout
+from det_lab.volume import VolumeLayout, atomic_write_text
 
 #: the DB container's address on the ``determined_default`` network (fixed by det deploy local)
 DB_HOST = "determined-db"
@@ -40,6 +55,61 @@ MASTER_CONTAINER_PORT = 8080
 #: where task containers find the data root and the pool's GPU kind
 ENV_DATA_ROOT = "DET_LAB_DATA_ROOT"
 ENV_GPU_KIND = "DET_LAB_GPU_KIND"
+#: the lab config a task reads (DET_LAB_CONFIG), relative to the volume's state directory
+TASK_CONFIG_NAME = "lab.yaml"
+
+
+def task_config_path(lab: LabSettings) -> Path:
+    """Where tasks find the lab config: on the volume, which every agent mounts at the same path."""
+    return VolumeLayout.from_settings(lab).state / TASK_CONFIG_NAME
+
+
+def task_config_text(lab: LabSettings) -> str:
+    """The lab config as tasks read it: every setting the lab made, the data root absolute."""
+    data = lab.model_dump(mode="json", exclude_defaults=True, exclude={"source"})
+    data["data_root"] = str(lab.data_root)
+    where = lab.source or "the lab config"
+    return (f"# written by det-lab from {where}; tasks read it through DET_LAB_CONFIG. Edit {where}"
+            f" and run 'det-lab cluster up' (or 'cluster agent-up') again instead.\n"
+            + yaml.safe_dump(data, sort_keys=False))
+
+
+def publish_task_config(lab: LabSettings) -> Path:
+    """Write (or refresh) the task copy of the lab config on the volume; readable by the group."""
+    path = task_config_path(lab)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = task_config_text(lab)
+    if not path.is_file() or path.read_text() != text:
+        atomic_write_text(path, text, mode=0o644)
+    return path
+
+
+def prepare_local_cache(lab: LabSettings, cluster: ClusterSettings) -> Path:
+    """Make this agent's task cache directory (``tasks.local_cache``), writable by every linked user:
+    the lab's group with setgid when there is one, else sticky and world-writable like /tmp."""
+    root = cluster.tasks.local_cache
+    for d in (root, root / "torch_extensions", root / "isaac"):
+        d.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0 and lab.group:
+            os.chown(d, 0, grp.getgrnam(lab.group).gr_gid)
+            d.chmod(0o2775)
+        elif d.stat().st_uid == os.geteuid():
+            d.chmod(0o1777 if not lab.group else 0o2775)
+    return root
+
+
+def task_config_problem(lab: LabSettings) -> str | None:
+    """Why tasks would not read this lab config: its copy on the volume is missing or stale."""
+    path = task_config_path(lab)
+    try:
+        current = path.read_text()
+    except OSError:
+        return f"{path} is missing: cluster tasks would not know the lab's projects, quotas or group; " \
+               f"run 'det-lab cluster up' (or 'det-lab cluster agent-up') to write it"
+    if current != task_config_text(lab):
+        return f"{path} differs from {lab.source or 'the lab config'}: cluster tasks read the old settings; " \
+               f"run 'det-lab cluster up' (or 'det-lab cluster agent-up') to refresh it"
+    return None
 
 
 def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, Any]]:
@@ -67,6 +137,10 @@ def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, An
         mount("outputs", False),
         mount("checkpoints", False),
     ]
+    # caches that must outlive a trial (gsplat's CUDA build, Isaac Sim's shader caches): each agent's
+    # local disk, made by 'cluster agent-up' (prepare_local_cache); a container's own files go with it
+    cache = str(cluster.tasks.local_cache)
+    mounts.append({"host_path": cache, "container_path": cache, "read_only": False, "propagation": "rprivate"})
     for extra in cluster.bind_mounts:
         mounts.append({
             "host_path": str(extra.host_path),
@@ -81,9 +155,11 @@ def bind_mounts(lab: LabSettings, cluster: ClusterSettings) -> list[dict[str, An
 REMOTE_MLFLOW_SCHEMES = ("http://", "https://", "postgresql://", "postgresql+", "mysql://", "mysql+")
 
 
-def environment_variables(lab: LabSettings) -> list[str]:
-    """Variables every task gets, so det_lab inside a container finds the same volume and tracking."""
-    env = [f"{ENV_DATA_ROOT}={lab.data_root}"]
+def environment_variables(lab: LabSettings, cluster: ClusterSettings) -> list[str]:
+    """Variables every task gets, so det_lab inside a container finds the same volume, lab config,
+    tracking and local cache."""
+    env = [f"{ENV_DATA_ROOT}={lab.data_root}", f"DET_LAB_CONFIG={task_config_path(lab)}",
+           f"DET_LAB_LOCAL_CACHE={cluster.tasks.local_cache}"]
     t = lab.tracking
     env.append(f"DET_LAB_TRACKING={t.backend}")
     if t.mlflow_uri and t.mlflow_uri.startswith(REMOTE_MLFLOW_SCHEMES):
@@ -115,15 +191,22 @@ def tracking_problems(lab: LabSettings) -> list[str]:
     return problems
 
 
-def _pool(pool: PoolSettings) -> dict[str, Any]:
+def task_scalars(cluster: ClusterSettings) -> dict[str, Any]:
+    """The task-container defaults a pool's block must repeat, or Determined's defaults replace them."""
+    return {"shm_size_bytes": int(cluster.tasks.shm_size), "network_mode": "bridge",
+            "preemption_timeout": cluster.tasks.preemption_timeout}
+
+
+def _pool(pool: PoolSettings, cluster: ClusterSettings) -> dict[str, Any]:
     out: dict[str, Any] = {
         "pool_name": pool.name,
         "description": pool.description or (f"{pool.gpu_kind} GPUs" if pool.gpu_kind else ""),
         "max_aux_containers_per_agent": pool.max_aux_containers_per_agent,
     }
     if pool.gpu_kind:
-        # pool-level defaults are layered over the master's: lists are appended
-        out["task_container_defaults"] = {"environment_variables": [f"{ENV_GPU_KIND}={pool.gpu_kind}"]}
+        # environment variables merge by name over the master's; the scalars would be reset
+        out["task_container_defaults"] = {**task_scalars(cluster),
+                                          "environment_variables": [f"{ENV_GPU_KIND}={pool.gpu_kind}"]}
     return out
 
 
@@ -132,9 +215,9 @@ def render_master(lab: LabSettings, cluster: ClusterSettings, *,
     """The master config. Without ``initial_user_password`` it is safe to print or share."""
     layout = VolumeLayout.from_settings(lab)
     tcd: dict[str, Any] = {
-        "network_mode": "bridge",
+        **task_scalars(cluster),
         "bind_mounts": bind_mounts(lab, cluster),
-        "environment_variables": environment_variables(lab),
+        "environment_variables": environment_variables(lab, cluster),
     }
     if cluster.images.task:
         tcd["image"] = {"cpu": cluster.images.task, "cuda": cluster.images.task}
@@ -174,7 +257,7 @@ def render_master(lab: LabSettings, cluster: ClusterSettings, *,
             "default_compute_resource_pool": cluster.default_compute_pool,
             "default_aux_resource_pool": cluster.default_aux_pool,
         },
-        "resource_pools": [_pool(p) for p in cluster.pools],
+        "resource_pools": [_pool(p, cluster) for p in cluster.pools],
         "feature_switches": ["prevent_blank_password"],
         "telemetry": {"enabled": False},
         # /prom/det-state-metrics and /debug/prom/metrics for Prometheus (det-lab monitor config)
@@ -215,7 +298,7 @@ def render_task_template(lab: LabSettings, cluster: ClusterSettings) -> dict[str
     carries them where a team runs det_lab against a master whose config it does not manage, and
     names them in the Web UI's "Launch JupyterLab" dialog.
     """
-    environment: dict[str, Any] = {"environment_variables": environment_variables(lab)}
+    environment: dict[str, Any] = {"environment_variables": environment_variables(lab, cluster)}
     if cluster.images.task:
         environment["image"] = {"cpu": cluster.images.task, "cuda": cluster.images.task}
     return {"bind_mounts": bind_mounts(lab, cluster), "environment": environment}

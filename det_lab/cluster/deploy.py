@@ -36,7 +36,7 @@ import yaml
 
 from det_lab.cluster import schema
 from det_lab.cluster.bind_sources import check_bind_sources
-from det_lab.cluster.config import DB_HOST, render_agent, render_master
+from det_lab.cluster.config import DB_HOST, prepare_local_cache, publish_task_config, render_agent, render_master
 from det_lab.cluster.plan import agent_yaml_path, master_yaml_path, use_gpus
 from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensure_private_dir, write_private
 from det_lab.cluster.settings import ClusterSettings
@@ -72,7 +72,14 @@ def preflight(lab: LabSettings) -> list[Check]:
 
 
 def _require_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str) -> None:
-    """Refuse to start an agent whose tasks would fail at container creation (a missing bind source)."""
+    """Refuse to start an agent whose tasks would fail at container creation (a missing bind source).
+    The task cache on local disk is det_lab's to make (every task mounts it)."""
+    try:
+        prepare_local_cache(lab, cluster)
+    except OSError as exc:
+        raise DeployError(f"cannot prepare tasks.local_cache {cluster.tasks.local_cache} "
+                          f"({exc.strerror or exc}): run this as root, or create it writable by the lab's "
+                          f"group, or set tasks.local_cache in {cluster.source or 'cluster.yaml'}") from None
     problem = check_bind_sources(lab, cluster, pool)
     if problem:
         raise DeployError(problem)
@@ -146,6 +153,7 @@ def prepare_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_
     master_yaml = master_yaml_path(private)
     write_private(master_yaml, yaml.safe_dump(conf, sort_keys=False))
     pool = cluster.pool_of_agent(agent_id).name
+    publish_task_config(lab)  # what DET_LAB_CONFIG names in every task
     return Prepared(master_yaml, write_agent_config(cluster, private, agent_id, pool), secrets, pool)
 
 
@@ -278,6 +286,7 @@ def agent_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id
     ensure_private_dir(private)
     pool_name = pool or cluster.pool_of_agent(agent_id).name
     path = write_agent_config(cluster, private, agent_id, pool_name)
+    publish_task_config(lab)
     _start_agent(dep, cluster, path, agent_id, pool_name)
     return path
 

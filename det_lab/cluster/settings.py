@@ -267,6 +267,10 @@ class TaskDefaults(StrictModel):
                     "shm is built per trial")
     preemption_timeout: int = Field(default=3600, ge=1,
                                     description="seconds a preempted task gets to checkpoint and exit")
+    local_cache: Path = Field(
+        default=Path("/var/cache/det-lab"),
+        description="each agent's local-disk cache mounted into every task at the same path (gsplat's CUDA "
+                    "build in torch_extensions/, Isaac Sim's caches in isaac/); 'cluster agent-up' makes it")
 
 
 class ClusterSettings(StrictModel):

@@ -17,6 +17,7 @@ Pixel centres are at (col + 0.5, row + 0.5), as in COLMAP.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -262,20 +263,31 @@ class GsplatUnavailable(RuntimeError):
 
 
 def gsplat_extensions_dir() -> Path:
-    """Where gsplat's JIT CUDA build is cached: ``$TORCH_EXTENSIONS_DIR`` if set, else
-    ``/var/cache/det-lab/torch_extensions`` when writable, else ``~/.cache/det-lab/torch_extensions``.
-    Local disk on purpose: builds on an NFS home are slow and contend for gsplat's lock file."""
+    """Where gsplat's JIT CUDA build is cached: the first writable of ``$TORCH_EXTENSIONS_DIR``,
+    ``$DET_LAB_LOCAL_CACHE/torch_extensions``, ``/var/cache/det-lab/torch_extensions`` and
+    ``~/.cache/det-lab/torch_extensions``.
+
+    Local disk on purpose: builds on an NFS home are slow and contend for gsplat's lock file. On a
+    cluster ``$DET_LAB_LOCAL_CACHE`` is the agent's own, mounted into every task (the master config
+    det_lab renders), so the build outlives the trial's container. A directory the task's user may
+    not write is passed over with a warning: a rebuild costs minutes, a PermissionError the trial."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if env:
-        return Path(env)
-    system = Path("/var/cache/det-lab/torch_extensions")
-    try:
-        system.mkdir(parents=True, exist_ok=True)
-        if os.access(system, os.W_OK):
-            return system
-    except OSError:
-        pass
-    return Path.home() / ".cache" / "det-lab" / "torch_extensions"
+    candidates = [Path(env)] if env else []
+    if os.environ.get("DET_LAB_LOCAL_CACHE"):  # a cluster task: the agent's cache, mounted
+        candidates.append(Path(os.environ["DET_LAB_LOCAL_CACHE"]) / "torch_extensions")
+    candidates += [Path("/var/cache/det-lab/torch_extensions"), Path.home() / ".cache" / "det-lab" / "torch_extensions"]
+    for i, path in enumerate(candidates):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                if i and env:
+                    logging.getLogger("3dgs").warning(
+                        "TORCH_EXTENSIONS_DIR=%s is not writable here; gsplat builds in %s instead (rebuilt "
+                        "by every trial unless it is on a mounted path)", env, path)
+                return path
+        except OSError:
+            continue
+    return candidates[-1]
 
 
 def gsplat_importable() -> bool:

@@ -1,37 +1,42 @@
 #!/usr/bin/env bash
-# Determined runs this from the context directory before the entrypoint, in every task container.
-# It makes det_lab importable when the task image lacks it; otherwise it does nothing.
+# det_lab's startup hook, one script for every template (tests/test_task_standin.py checks the copies
+# are this one). Determined *sources* startup-hook.sh in the task's shell, after `set -e`, before the
+# trial starts (master/static/srv/entrypoint.sh): so no `exit`, no `set -u`/`pipefail`, and no
+# variables left behind; a failed install returns non-zero, which ends the task with its message.
 #
-# Where the wheels come from (first that exists):
-#   $DET_LAB_WHEELS                               a directory of wheels (task environment_variables)
-#   $DET_LAB_DATA_ROOT/.det-lab/wheels            the wheelhouse on the shared volume
+# It makes det_lab importable by the task's Python ($DET_PYTHON_EXECUTABLE, as Determined's
+# task-setup.sh picks it) when the image lacks it; with the lab's task image it does nothing. From:
+#   $DET_LAB_WHEELS                       a directory of wheels (environment_variables)
+#   $DET_LAB_DATA_ROOT/.det-lab/wheels    the wheelhouse on the shared volume
+#   $DET_LAB_PIP_SPEC                     a pip requirement (a wheel path or a git URL)
 # Fill a wheelhouse once, on a machine with the same Python as the task image:
-#   pip wheel --wheel-dir <data_root>/.det-lab/wheels /path/to/det_lab
-# The install is offline (--no-index): the wheelhouse must hold det_lab and whatever of its
-# dependencies the image lacks (Isaac Sim's Python already has torch; add determined and its dependencies).
-set -euo pipefail
-
-py=python3
-[ -x /isaac-sim/python.sh ] && py=/isaac-sim/python.sh  # Isaac Sim's Python runs the supervisor
-if "$py" -c "import det_lab" 2>/dev/null; then
-  exit 0
-fi
-
-wheels=""
-for candidate in "${DET_LAB_WHEELS:-}" "${DET_LAB_DATA_ROOT:+$DET_LAB_DATA_ROOT/.det-lab/wheels}"; do
-  if [ -n "$candidate" ] && compgen -G "$candidate/det_lab-*.whl" >/dev/null; then
-    wheels=$candidate
-    break
+#   pip wheel --wheel-dir <data_root>/.det-lab/wheels det-lab
+# The wheelhouse install is offline (--no-index): it must hold det_lab and what the image lacks.
+_det_lab_startup_hook() {
+  local py="${DET_PYTHON_EXECUTABLE:-python3}" wheels="" candidate
+  if "$py" -c "import det_lab" 2>/dev/null; then
+    return 0
   fi
-done
-if [ -z "$wheels" ]; then
-  echo "startup-hook.sh: det_lab is not installed in this image and no wheelhouse was found" >&2
-  echo "  looked in: \$DET_LAB_WHEELS='${DET_LAB_WHEELS:-}' and \$DET_LAB_DATA_ROOT/.det-lab/wheels" \
-       "(DET_LAB_DATA_ROOT='${DET_LAB_DATA_ROOT:-}')" >&2
-  echo "  fix: use a task image with det_lab, or put its wheels there (see experiment_templates/isaac_lab/README.md)" >&2
-  exit 1
-fi
-
-echo "startup-hook.sh: installing det_lab from $wheels"
-"$py" -m pip install --quiet --no-index --find-links "$wheels" det_lab
-"$py" -c "import det_lab; print('startup-hook.sh: det_lab', det_lab.__version__)"
+  for candidate in "${DET_LAB_WHEELS:-}" "${DET_LAB_DATA_ROOT:+$DET_LAB_DATA_ROOT/.det-lab/wheels}"; do
+    if [ -n "$candidate" ] && compgen -G "$candidate/det_lab-*.whl" >/dev/null; then
+      wheels=$candidate
+      break
+    fi
+  done
+  if [ -n "$wheels" ]; then
+    echo "startup-hook.sh: installing det_lab from $wheels"
+    "$py" -m pip install --quiet --user --no-index --find-links "$wheels" det_lab || return 1
+  elif [ -n "${DET_LAB_PIP_SPEC:-}" ]; then
+    echo "startup-hook.sh: installing $DET_LAB_PIP_SPEC"
+    "$py" -m pip install --quiet --user --no-cache-dir "$DET_LAB_PIP_SPEC" || return 1
+  else
+    echo "startup-hook.sh: det_lab is not installed in this image ($py) and there is nothing to install it from:" \
+         "looked in \$DET_LAB_WHEELS='${DET_LAB_WHEELS:-}', \$DET_LAB_DATA_ROOT/.det-lab/wheels" \
+         "(DET_LAB_DATA_ROOT='${DET_LAB_DATA_ROOT:-}') and \$DET_LAB_PIP_SPEC; use the lab's task image or" \
+         "fill the wheelhouse (see the template's README)" >&2
+    return 1
+  fi
+  "$py" -c "import det_lab; print('startup-hook.sh: det_lab', det_lab.__version__)" || return 1
+}
+_det_lab_startup_hook || { unset -f _det_lab_startup_hook; false; }
+unset -f _det_lab_startup_hook
