@@ -23,6 +23,8 @@ import pytest
 import yaml
 
 from tests.conftest import VENV_BIN
+from tests.test_shared_volume import Team, team  # noqa: F401  (a fixture: two real Unix users of one group)
+from tests.test_shared_volume import finish as finish_as
 from tests.test_monitoring_nvml import build_shim
 
 UUIDS = ["GPU-0c3e5a71-2b4d-4e8f-9a10-5d6c7b8e9f01", "GPU-1f9d8c7b-6a5e-4d3c-8b2a-19f8e7d6c5b4",
@@ -70,7 +72,7 @@ class Machine:
         self.state = base / "gpu-state"
         self.state.mkdir(mode=0o777)
         self.state.chmod(0o777)
-        self.trial = base / "trial"
+        self.trial = base / "gpu-trial"
         self.trial.mkdir()
         (self.trial / "train.py").write_text(TRIAL)
         self.write_trial(1)
@@ -324,3 +326,59 @@ def test_limits_and_a_waiting_run_listed_and_cancelled(machine):
     finally:
         first.send_signal(signal.SIGTERM)
         finish(first)
+
+
+def test_eight_runs_of_two_users_on_two_gpus_share_none_and_go_in_fair_order(team: Team, shim, sleeper):
+    """Two members start eight runs at once on 2 GPUs (a's four first), while processes outside det-lab
+    hold both: they wait in line; once the GPUs free, b's four go first (a used 10 GPU-hours in the
+    last hour; first come, first served would start a's), no GPU ever has two runs, every trial sees
+    its own lease's GPU, all finish; det-lab usage's GPU-hours per member are the leases' durations."""
+    (team.base / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(team.data), "group": team.group,
+                                                        "tracking": {"backend": "none"}}))
+    m = Machine(team.base, shim, team.data, team.base / "lab.yaml")
+    assert team.det_lab(team.a, "init").returncode == 0
+    journal = team.data / ".det-lab/gpus/journal"
+    journal.mkdir(parents=True)
+    for d in (journal, journal.parent):
+        os.chown(d, 0, team.gid)
+        d.chmod(0o2775)
+    past = time.time() - 3600  # a's 5 hours on 2 GPUs of another machine, ended an hour ago
+    (journal / f"otherbox.{team.a.name}.jsonl").write_text(
+        json.dumps({"event": "start", "lease": "old0", "host": "otherbox", "user": team.a.name, "run": "old",
+                    "project": "vla", "template": "gpu-trial", "gpus": [{"index": 0, "uuid": "GPU-x"},
+                                                                         {"index": 1, "uuid": "GPU-y"}],
+                    "pid": 1, "since": past - 5 * 3600}) + "\n"
+        + json.dumps({"event": "end", "lease": "old0", "at": past, "how": "released"}) + "\n")
+    m.set_gpus(gpu_lines(2, {0: [sleeper()], 1: [sleeper()]}))
+    extra = {k: v for k, v in m.env().items() if k in ("LD_LIBRARY_PATH", "NVML_SHIM_CONFIG", "DET_LAB_GPU_STATE_DIR")}
+    procs = []
+    for user in [team.a] * 4 + [team.b] * 4:
+        procs.append(team.start(user, "run", str(m.trial), "--local", "--queue", env=extra))
+        time.sleep(0.3)
+    line = m.wait_for(lambda s: s["queue"] if len(s["queue"]) == 8 else None, timeout=240)
+    assert [q["user"] for q in line] == [team.b.name] * 4 + [team.a.name] * 4
+    assert all("both GPUs held" in q["waiting"] for q in line), line
+    m.set_gpus(gpu_lines(2))
+    done = [finish_as(p) for p in procs]
+    assert [d.returncode for d in done] == [0] * 8, [d.stderr[-500:] for d in done if d.returncode]
+
+    leases = {k: e for k, e in m.leases().items() if k != "old0"}
+    assert len(leases) == 8 and {e["how"] for e in leases.values()} == {"released"}
+    started = sorted(leases.values(), key=lambda e: e["since"])
+    assert [e["user"] for e in started] == [team.b.name] * 4 + [team.a.name] * 4
+    for uuid in UUIDS[:2]:
+        spans = sorted((e["since"], e["end"]) for e in leases.values() if e["gpus"][0]["uuid"] == uuid)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), spans
+    runs = m.runs()
+    for e in leases.values():
+        run = runs[e["run"]]
+        assert run["state"]["status"] == "finished"
+        assert run["trial"]["cuda"] == e["gpus"][0]["uuid"]
+        assert e["since"] < run["trial"]["start"] < run["trial"]["end"] < e["end"]
+
+    usage = m.cli("usage", "--json", "--by", "user")
+    assert usage.returncode == 0, usage.stderr
+    hours = {r["user"]: r["gpu_hours"] for r in json.loads(usage.stdout)["summary"]}
+    for user, seeded in ((team.a, 10.0), (team.b, 0.0)):
+        want = seeded + sum(e["end"] - e["since"] for e in leases.values() if e["user"] == user.name) / 3600
+        assert hours[user.name] == pytest.approx(want, abs=2e-6)

@@ -5,6 +5,10 @@ own record, so its GPU time is counted once per start) gives user, account (the 
 elapsed time and state. A job that a det_lab run submitted is matched to its run record by job id
 and gains the run's name, template, dataset identity and code commit (from the run's latest
 checkpoint's lineage). GPU-hours are GPUs x elapsed time.
+
+Local runs' GPU leases (``det-lab run --local`` on a workstation, journaled on the volume by
+:mod:`det_lab.gpus`) are records too, one per lease (``local-<lease>``, partition ``local:<host>``),
+joined to their run by its name; a lease still held counts up to now.
 """
 
 from __future__ import annotations
@@ -13,12 +17,15 @@ import datetime as dt
 import json
 import re
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from det_lab.accounting.limits import gpus_in
+
+if TYPE_CHECKING:
+    from det_lab.settings import LabSettings
 
 SACCT_FORMAT = "JobIDRaw,JobName,User,Account,QOS,Partition,State,AllocTRES,ElapsedRaw,Start,End,ExitCode"
 _SINCE = re.compile(r"^(\d+)([mhdw])$")
@@ -54,7 +61,7 @@ class JobRecord:
     partition: str
     state: str
     gpus: int
-    elapsed_s: int
+    elapsed_s: float
     start: str
     end: str
     exit_code: str
@@ -96,6 +103,42 @@ def sacct_jobs(since: dt.datetime, until: dt.datetime | None = None) -> list[Job
     return out
 
 
+def local_jobs(settings: LabSettings, since: dt.datetime, until: dt.datetime | None = None) -> list[JobRecord]:
+    """Every local run's GPU lease between ``since`` and ``until`` (default now), from the volume's
+    journal; the part of a lease outside the period is not counted."""
+    from det_lab.gpus.journal import read_records
+
+    lo = since.timestamp()
+    hi = (until or dt.datetime.now()).timestamp()
+    out = []
+    for r in read_records(settings):
+        end = r.end if r.end is not None else hi
+        start, stop = max(r.since, lo), min(end, hi)
+        if stop <= start:
+            continue
+        state = "RUNNING" if r.end is None else "COMPLETED" if r.how == "released" else "ENDED_WITH_HOLDER"
+        out.append(JobRecord(job_id=f"local-{r.lease}", job_name=r.run, user=r.user, account=r.project, qos="",
+                             partition=f"local:{r.host}", state=state, gpus=len(r.gpus), elapsed_s=stop - start,
+                             start=dt.datetime.fromtimestamp(r.since).isoformat(timespec="seconds"),
+                             end=dt.datetime.fromtimestamp(r.end).isoformat(timespec="seconds") if r.end else "",
+                             exit_code="", run=r.run or None, template=r.template or None, project=r.project or None))
+    return out
+
+
+def all_jobs(settings: LabSettings, since: dt.datetime, warn: Callable[[str], None]) -> list[JobRecord]:
+    """Slurm's jobs and the local runs' GPU leases; without a working sacct, the leases alone (said
+    through ``warn``) when there are any, else sacct's one-line error."""
+    local = local_jobs(settings, since)
+    try:
+        slurm = sacct_jobs(since)
+    except UsageError as exc:
+        if not local:
+            raise
+        warn(f"{exc}; showing local runs' GPU leases only")
+        slurm = []
+    return slurm + local
+
+
 def run_lineage(st: dict[str, Any], checkpoints_dir: Path | None) -> dict[str, str | None]:
     """A run record's (``st``: its run.json) name, template, project, dataset and code commit (the last
     two from its latest checkpoint's lineage, when it has one)."""
@@ -128,9 +171,12 @@ def join(jobs: list[JobRecord], runs: Iterable[tuple[dict[str, Any], Path | None
     """``jobs`` with the run record of each det_lab job filled in (``runs``: each record's run.json and
     its checkpoints dir); only a run with a job in ``jobs`` has its checkpoint's lineage read."""
     wanted = {j.job_id for j in jobs}
+    local = {j.run: j.job_id for j in jobs if j.job_id.startswith("local-") and j.run}
     by_id: dict[str, dict[str, str | None]] = {}
     for st, ckpts in runs:
         ids = run_job_ids(st) & wanted
+        if st.get("name") in local:  # a local run's leases: joined by its name
+            ids |= {j.job_id for j in jobs if j.job_id.startswith("local-") and j.run == st.get("name")}
         if ids:
             info = run_lineage(st, ckpts)
             by_id.update({i: info for i in ids})

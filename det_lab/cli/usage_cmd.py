@@ -20,9 +20,9 @@ def usage(
     (run, template, dataset, code commit)."""
     from det_lab.accounting.usage import (
         UsageError,
+        all_jobs,
         join,
         parse_since,
-        sacct_jobs,
         summarize,
     )
     from det_lab.cli.runs_cmds import all_runs
@@ -35,7 +35,8 @@ def usage(
     try:
         start = parse_since(since)
         summarize([], by)  # checks --by before sacct runs
-        jobs = sacct_jobs(start)
+        jobs = all_jobs(settings, start, lambda msg: err_console.print(f"warning: {msg}", style="yellow",
+                                                                         highlight=False, markup=False))
     except UsageError as exc:
         fail(str(exc))
 
