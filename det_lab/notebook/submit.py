@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.net import http_answers
 from det_lab.notebook.plots import output_dir
 from det_lab.settings import LabSettings, load_settings
@@ -256,12 +257,14 @@ def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
         top = None
     best = None
     if top is not None:
-        # shared_fs: read straight from the volume when this machine mounts it
-        path = Path(top.download(str(output_dir("checkpoints") / top.uuid)))
+        path = shared_fs_dir(top)
+        how = "read in place on the shared volume"
+        if path is None:  # not on a volume this machine mounts: Determined's download copies it here
+            path, how = Path(top.download(str(output_dir("checkpoints") / top.uuid))), "downloaded"
         val = (top.training.validation_metrics if top.training else None) or {}
         best = CheckpointInfo(top.uuid, int((top.metadata or {}).get("steps_completed", 0)), path,
                               dict(val.get("avgMetrics", val)))
-        print(f"best checkpoint {top.uuid} -> {path}")
+        print(f"best checkpoint {top.uuid} -> {path} ({how})")
     trials = exp.list_trials()
     best_trial = top.training.trial_id if top is not None and top.training else None
     trial = next((t for t in trials if t.id == best_trial), trials[0] if trials else None)
@@ -276,6 +279,33 @@ def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
                         "COMPLETED", dict(trial.hparams or {}) if trial else {},
                         metrics, [best] if best else [], metric, smaller, exp.id,
                         trial.id if trial else None, best)
+
+
+def shared_fs_dir(checkpoint: Any) -> Path | None:
+    """A Determined checkpoint's own directory when its experiment stored it on shared_fs and this
+    machine mounts that storage; None otherwise.
+
+    ``Checkpoint.download`` copies a shared_fs checkpoint tree (Determined 0.38.1
+    ``harness/determined/common/experimental/checkpoint/_checkpoint.py`` l.278-283, ``copytree``),
+    which for a multi-GB checkpoint on the volume is slow and doubles it on disk; this reads it
+    where it is. The places looked at are Determined's own (``_find_shared_fs_path`` l.163-188):
+    ``host_path``/``storage_path``, then the same under ``/determined_shared_fs`` (inside a task).
+    """
+    training = getattr(checkpoint, "training", None)
+    conf = (getattr(training, "experiment_config", None) or {}) if training is not None else {}
+    storage = conf.get("checkpoint_storage") or {}
+    host = storage.get("host_path")
+    if storage.get("type") != "shared_fs" or not host or not os.path.isabs(host):
+        return None
+    full = os.path.normpath(os.path.join(host, storage.get("storage_path") or "."))
+    rel = os.path.relpath(full, host)
+    if rel == ".." or rel.startswith("../"):
+        return None
+    for base in (host, SHARED_FS_CONTAINER_PATH):
+        found = Path(base, rel, checkpoint.uuid)
+        if found.is_dir():
+            return found
+    return None
 
 
 # --- the config template JupyterLab and experiments start from ------------------------------------
