@@ -64,3 +64,50 @@ def config(ctx: typer.Context) -> None:
     for p in data["projects"].values():
         p["quota"] = f"{p['quota'] / 2**30:g}GiB"
     console.print(yaml.safe_dump(data, sort_keys=False), highlight=False, end="")
+
+
+app = typer.Typer(help="The shared volume: who uses its space.", no_args_is_help=True)
+
+
+@app.command()
+def usage(
+    ctx: typer.Context,
+    by: str = typer.Option("project", "--by", help="Group the bytes by project, user, kind or run."),
+    days: float = typer.Option(30.0, "--days", help="What 'data gc --days' and 'runs prune --older-than' would free uses this."),
+    as_json: bool = typer.Option(False, "--json", help="Print the figures as JSON."),
+) -> None:
+    """Bytes on the volume by project, user, kind (checkpoints, snapshots, cache, outputs) or run,
+    hard links counted once (as du), and what data gc and runs prune would free."""
+    import json
+
+    from det_lab.trials.space import volume_space
+    from det_lab.volume import human_bytes
+
+    if by not in ("project", "user", "kind", "run"):
+        fail(f"--by must be project, user, kind or run (got {by!r})")
+    if not days >= 0:
+        fail(f"--days must be 0 or more (got {days:g})")
+    settings = state(ctx).settings
+    report = volume_space(settings, days=days)
+    rows = report.by(by)  # type: ignore[arg-type]
+    if as_json:
+        typer.echo(json.dumps({
+            "by": by, "total_bytes": report.total, "rows": [{"name": n, "bytes": b} for n, b in rows],
+            "projects": {p.project: {"bytes": p.total, "quota_bytes": p.quota, "kinds": p.kinds,
+                                     "reclaimable": p.reclaimable} for p in report.projects.values()},
+            "notes": report.notes}, indent=2))
+        return
+    from rich.table import Table
+
+    table = Table(title=f"space on {settings.data_root} by {by}", title_justify="left")
+    for col in (by, "bytes", "share"):
+        table.add_column(col, justify="left" if col == by else "right")
+    for name, n in rows:
+        table.add_row(name, human_bytes(n), f"{n / report.total:.0%}" if report.total else "-")
+    console.print(table)
+    for p in report.projects.values():
+        free = ", ".join(f"{what} would free {human_bytes(b)}" for what, b in sorted(p.reclaimable.items())) or "nothing to free"
+        console.print(f"{p.project}: {human_bytes(p.total)} of {human_bytes(p.quota)} ({p.total / p.quota:.0%}); {free}",
+                      highlight=False)
+    for note in report.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False, soft_wrap=True)
