@@ -253,12 +253,15 @@ def _held(machine: Machine, run: subprocess.Popen, index: int):
 
 def test_a_holder_killed_with_9_frees_its_gpu_at_once(machine):
     """``det-lab run`` killed with -9 while its trial trains: its GPU is free for the very next run
-    (no waiting for a timeout), and the journal ends its lease."""
+    while the holder is still an unreaped zombie (no waiting for a timeout), and the journal ends its lease."""
     run = machine.run("--gpus", "1", TRIAL_SECONDS="120")
     holder = machine.wait_for(_held(machine, run, 1))
     run.send_signal(signal.SIGKILL)
-    run.wait()
+    stat = Path(f"/proc/{run.pid}/stat")
+    while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie until this test reaps it
+        time.sleep(0.05)
     assert machine.status()["gpus"][1]["holder"] is None
+    run.wait()
     after = finish(machine.run("--gpus", "1"))
     assert after.returncode == 0, after.stderr
     leases = machine.leases()
