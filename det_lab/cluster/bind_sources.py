@@ -41,6 +41,7 @@ def missing_bind_sources(lab: LabSettings, cluster: ClusterSettings,
     would bind-mount and that does not exist on this machine; empty when all do."""
     pool = pool or cluster.pool_of_agent(socket.gethostname()).name
     root = str(lab.data_root)
+    listed = {str(m.host_path) for m in cluster.bind_mounts}
     problems, seen = [], set()
     for host, where in _sources(render_master(lab, cluster), pool):
         if host in seen or os.path.exists(host):
@@ -48,8 +49,10 @@ def missing_bind_sources(lab: LabSettings, cluster: ClusterSettings,
         seen.add(host)
         if host == root or host.startswith(root.rstrip("/") + "/"):
             fix = f"mount the shared volume at {root} here ('det-lab init' creates its directories)"
-        else:
+        elif host in listed:
             fix = f"create it here, or remove it from bind_mounts in {cluster.source or 'cluster.yaml'}"
+        else:
+            fix = "create it here (det_lab mounts it into every task)"
         problems.append((f"bind mount source {host} does not exist on this machine ({where} in master.yaml): "
                          "Docker refuses to start a task whose mount source is missing", fix))
     return problems
