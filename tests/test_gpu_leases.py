@@ -385,3 +385,35 @@ def test_eight_runs_of_two_users_on_two_gpus_share_none_and_go_in_fair_order(tea
     for user, seeded in ((team.a, 10.0), (team.b, 0.0)):
         want = seeded + sum(e["end"] - e["since"] for e in leases.values() if e["user"] == user.name) / 3600
         assert hours[user.name] == pytest.approx(want, abs=2e-6)
+
+
+def test_the_exporter_labels_leased_gpus_and_exports_the_line(machine, sleeper):
+    """``det-lab exporter --source gpus``: the GPU a run holds is labelled with its user, run and lease;
+    a run waiting in line counts in the queue length, and its wait in the oldest wait."""
+    import urllib.request
+
+    from tests.test_monitoring import samples, start_exporter, stop_exporter
+
+    machine.set_gpus(gpu_lines(2, {1: [sleeper()]}))
+    holder = machine.run(TRIAL_SECONDS="120")
+    queued = None
+    url, exporter = start_exporter(machine.env(), "gpus")
+    try:
+        held = machine.wait_for(_held(machine, holder, 0))
+        queued = machine.run("--queue")
+        machine.wait_for(lambda s: len(s["queue"]) == 1)
+        time.sleep(1.0)
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            text = resp.read().decode()
+        leases = [(lb["gpu"], lb["uuid"], lb["user"], lb["run"], lb["lease"], lb["pid"])
+                  for lb, _ in samples(text, "det_lab_gpu_lease_info")]
+        assert leases == [("0", UUIDS[0], "root", held["run"], held["lease"], str(holder.pid))]
+        assert [v for _, v in samples(text, "det_lab_gpu_queue_length")] == [1]
+        (wait,) = [v for _, v in samples(text, "det_lab_gpu_queue_oldest_wait_seconds")]
+        assert wait >= 1.0
+    finally:
+        stop_exporter(exporter)
+        for proc in (queued, holder):
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                finish(proc)

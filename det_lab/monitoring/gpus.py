@@ -12,11 +12,13 @@ from __future__ import annotations
 import pwd
 import re
 import socket
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
 from prometheus_client.core import Metric
 
+from det_lab.gpus.leases import HostBook
 from det_lab.monitoring.collector import Families
 from det_lab.nvml import GpuReading, read_gpus
 
@@ -65,9 +67,28 @@ class GpuSource:
 
     def collect(self) -> Iterable[Metric]:
         out = Families()
-        for reading in read_gpus():
+        readings = read_gpus()
+        for reading in readings:
             self._device(out, reading)
+        if readings:
+            self._leases(out, readings)
         return list(out)
+
+    def _leases(self, out: Families, readings: list[GpuReading]) -> None:
+        """Each leased GPU's holder (det_lab.gpus: user, run, lease), and this machine's line for GPUs."""
+        book = HostBook()
+        live, _ = book.leases()
+        index = {r.uuid: r.index for r in readings}
+        for held in live:
+            for lease in held.leases():
+                out.add("gpu_lease_info", "", {"host": self.host, "gpu": str(index.get(lease.gpu_uuid, lease.gpu_index)),
+                                               "uuid": lease.gpu_uuid, "user": lease.user, "run": lease.run,
+                                               "project": lease.project, "lease": lease.lease_id,
+                                               "pid": str(lease.pid)}, 1)
+        waiting = [float(h.data["enqueued"]) for h in book.queue()]
+        out.add("gpu_queue_length", "", {"host": self.host}, len(waiting))
+        out.add("gpu_queue_oldest_wait_seconds", "", {"host": self.host},
+                max(0.0, time.time() - min(waiting)) if waiting else 0.0)
 
     def _device(self, out: Families, reading: GpuReading) -> None:
         gpu = {"host": self.host, "gpu": str(reading.index), "uuid": reading.uuid}

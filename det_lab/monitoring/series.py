@@ -39,6 +39,12 @@ SERIES: tuple[Series, ...] = (
     Series("gpus", "gpu_memory_total_bytes", "GPU memory in all", _GPU, "bytes"),
     Series("gpus", "gpu_process_memory_bytes", "GPU memory of each process, with its user, Slurm job, det_lab run "
            "and container", (*_GPU, "pid", "user", "slurm_job", "run", "container"), "bytes"),
+    Series("gpus", "gpu_lease_info", "1 per GPU a local run's lease holds: its user, run, project, lease and "
+           "holder pid (det-lab run --local)", (*_GPU, "user", "run", "project", "lease", "pid"), "1"),
+    Series("gpus", "gpu_queue_length", "local runs waiting in this machine's line for GPUs (--queue)", ("host",),
+           "runs"),
+    Series("gpus", "gpu_queue_oldest_wait_seconds", "how long the longest-waiting local run has waited for GPUs "
+           "(0: none waits)", ("host",), "seconds"),
     Series("slurm", "slurm_jobs", "Slurm jobs by user, account, partition and state",
            ("user", "account", "partition", "state"), "jobs"),
     Series("slurm", "slurm_job_gpus", "GPUs of each live job (allocated when running, asked for when pending)",
