@@ -30,11 +30,15 @@ QUOTA_WARN_FRACTION = 0.9
 #: the five ways a team sharing GPUs without a scheduler gets hurt:
 #: (the check that watches for it on this machine, what covers it once work goes through det_lab)
 RISKS: dict[str, tuple[str, str]] = {
-    "GPU OOM from concurrent jobs": ("gpus", "handled by the cluster: Determined gives each task its own GPUs"),
-    "no identity on who holds a GPU": ("gpus", "handled by the cluster: every task has an owner in the Web UI"),
+    "GPU OOM from concurrent jobs": ("gpus", "prevented: Determined and Slurm give each task its own GPUs, and "
+                                     "det-lab run --local leases its GPUs (never one held, nor one a process "
+                                     "outside det-lab uses)"),
+    "no identity on who holds a GPU": ("gpus", "prevented for det-lab's runs: a task's owner in the Web UI, a "
+                                       "local run's lease; det-lab gpus names every holder, outside det-lab too"),
     "no disk quota": ("quota", "per-project quotas from the lab config, checked before every dataset pull"),
     "CUDA version conflicts": ("cuda", "handled by the cluster: each task brings its CUDA in its own image"),
-    "no audit trail": ("audit trail", "Determined records every experiment; det_lab mirrors it to MLflow/Aim"),
+    "no audit trail": ("audit trail", "Determined records every experiment; det_lab mirrors it to MLflow/Aim; "
+                       "local runs' GPU leases are journaled on the volume (det-lab usage)"),
 }
 
 
@@ -347,7 +351,8 @@ def gpu_report(gpus_csv: str, apps_csv: str, smi_header: str) -> Iterator[Check]
     detail = "; ".join(described)
     if shared:
         yield Check("gpus", "warn", f"several processes share {', '.join(shared)}: {detail}",
-                    "submit work through Determined so each GPU has one job (concurrent jobs OOM)")
+                    "submit work through Determined, Slurm or det-lab run --local (a GPU lease) so each GPU has "
+                    "one job (concurrent jobs OOM)")
     else:
         yield Check("gpus", "pass", detail)
     driver = rows[0][5] if len(rows[0]) >= 6 else "?"
