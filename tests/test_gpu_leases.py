@@ -320,6 +320,8 @@ def test_limits_and_a_waiting_run_listed_and_cancelled(machine):
         listed = [json.loads(line) for line in machine.cli("runs", "list", "--json").stdout.splitlines()]
         waiting = [r for r in listed if r["status"] == "waiting"]
         assert len(waiting) == 1 and "root's limit of 1 GPU(s) at once is reached" in waiting[0]["waiting"]
+        plain = machine.cli("runs", "list").stdout
+        assert plain.count("waiting: root's limit of 1 GPU(s) at once is reached") == 1, plain
         assert machine.cli("runs", "cancel", waiting[0]["name"]).returncode == 0
         out = finish(queued)
         assert out.returncode != 0 and "cancelled while it waited" in out.stderr
@@ -361,6 +363,16 @@ def test_eight_runs_of_two_users_on_two_gpus_share_none_and_go_in_fair_order(tea
     line = m.wait_for(lambda s: s["queue"] if len(s["queue"]) == 8 else None, timeout=240)
     assert [q["user"] for q in line] == [team.b.name] * 4 + [team.a.name] * 4
     assert all("both GPUs held" in q["waiting"] for q in line), line
+
+    def ahead() -> list[str]:  # what runs list says of each waiting run, past the GPUs' holders
+        rows = [json.loads(r) for r in m.cli("runs", "list", "--json").stdout.splitlines()]
+        return sorted(r["waiting"].rpartition(")")[2] for r in rows if r["status"] == "waiting")
+
+    want = sorted([""] + ["; 1 run ahead"] + [f"; {k} runs ahead" for k in range(2, 8)])
+    deadline = time.monotonic() + 60
+    while ahead() != want and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert ahead() == want
     m.set_gpus(gpu_lines(2))
     done = [finish_as(p) for p in procs]
     assert [d.returncode for d in done] == [0] * 8, [d.stderr[-500:] for d in done if d.returncode]

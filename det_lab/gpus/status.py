@@ -65,12 +65,13 @@ def _entry(run: str) -> Held | None:
 
 
 def waiting_words(run: str) -> str | None:
-    """Why run ``run`` waits for GPUs on this machine ("waiting: both GPUs held (...); 1 run ahead"),
-    None when it is not in this machine's line."""
+    """Why run ``run`` waits for GPUs on this machine ("both GPUs held (alice vla-… since 10:02, ...);
+    1 run ahead": ``runs list`` shows it after the run's status, waiting), None when it is not in this
+    machine's line."""
     held = _entry(run)
     if held is None:
         return None
-    return "waiting: " + (held.data.get("words") or "in line for GPUs")
+    return held.data.get("words") or "in line for GPUs"
 
 
 def cancel_waiting(run: str) -> int | None:
