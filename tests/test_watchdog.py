@@ -95,7 +95,7 @@ def make_lab(tmp_path: Path, webhook_url: str | None = None, **watchdog) -> Lab:
 
 def start_watchdog(lab: Lab, nvml, cluster, *args: str) -> subprocess.Popen:
     env = {**lab.env, "LD_LIBRARY_PATH": str(nvml["lib"]), "NVML_SHIM_CONFIG": str(nvml["config"]),
-           **(cluster.env if cluster else {"SLURM_CONF": "/nonexistent/slurm.conf"})}
+           **(cluster.env if cluster else {})}
     node = cluster.node if cluster else "nonode"
     return subprocess.Popen([str(VENV_BIN / "det-lab"), "watchdog", "--node", node, *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -261,3 +261,136 @@ def test_snooze_then_warned_when_it_ends_and_dry_run_changes_nothing(slurm_clust
         assert [(h["holder"], h["event"]) for h in status["holders"]] == [(f"slurm:{job}", "warned")]
     finally:
         slurm_cluster.run("scancel", job, check=False)
+
+
+@pytest.fixture(scope="module")
+def tiny_volume(tmp_path_factory) -> Path:
+    """A data root with the tiny regression dataset (tests/fixtures/tiny trains on it)."""
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+    from tests.conftest import publish_tiny_data
+
+    tmp = tmp_path_factory.mktemp("tiny-volume")
+    (tmp / "lab.yaml").write_text(f"data_root: {tmp / 'data'}\n")
+    settings = load_settings(tmp / "lab.yaml", env={})
+    init_volume(settings)
+    publish_tiny_data(settings, tmp)
+    return tmp / "data"
+
+
+def test_idle_det_lab_run_checkpointed_stopped_and_resumed_to_the_same_losses(nvml, tiny_volume, tmp_path):
+    """A det_lab run whose trial stops using its GPU (parked after 40 batches, its process still on the
+    GPU) is warned (runs list says so), then stopped as on a preemption: checkpointed, 'stopped', and
+    resumed it trains to the same losses as a run never stopped."""
+    from tests.test_trials_local import TINY, held_after, metrics, run_state, start_run, wait_for_step
+
+    lab = make_lab(tmp_path, rule={"window": 2.0, "grace": 3.0})
+    lab = Lab(root=tiny_volume, config=lab.config, env=lab.env)
+    lab.write_config(watchdog={"interval": INTERVAL, "rule": {"window": 2.0, "grace": 3.0}}, tracking={"backend": "none"})
+    runs = tiny_volume / "outputs" / "vla" / "local-runs"
+    straight = lab.cli("run", str(TINY), "--local", "--run", "never-stopped")
+    assert straight.returncode == 0, straight.stdout + straight.stderr
+
+    set_gpus(nvml, (0, 0), (0, 0))
+    proc = start_run(held_after(lab, 40), "--run", "parked")
+    dog = None
+    try:
+        run_dir = wait_for_step(runs, "parked", 40, proc)
+        from det_lab.trials.run_guard import trainer
+
+        pid = trainer(run_dir).pid
+        set_gpus(nvml, (0, 1_500_000_000), (0, 0), procs={0: [pid]})  # on GPU 0, doing nothing
+        dog = start_watchdog(lab, nvml, None)
+        (w,) = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], 20, dog)
+        assert w["holder"] == "run:parked" and w["kind"] == "run" and w["gpus"] == [0]
+        assert "stopped (checkpointed, resumable) at" in w["message"]
+        listing = lab.cli("runs", "list", check=True).stdout
+        assert re.search(r"parked .*running \(idle GPU: warned \d\d:\d\d, stops at \d\d:\d\d\)", listing), listing
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out + err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        if dog is not None:
+            stop(dog)
+    state = run_state(run_dir)
+    assert state["status"] == "stopped" and 40 <= state["latest_checkpoint_step"] < 80  # a preemption checkpoint
+    assert events(journal(lab), "run:parked") == ["warned", "acted"]
+    shown = lab.cli("runs", "show", "parked", check=True).stdout
+    assert "stopped by the watchdog" in shown and "idle GPU (resumable)" in shown
+
+    resumed = lab.cli("run", str(TINY), "--local", "--resume", "--run", "parked")
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert run_state(run_dir)["status"] == "finished"
+    assert metrics(run_dir, "training") == metrics(runs / "never-stopped", "training")
+    assert metrics(run_dir, "validation") == metrics(runs / "never-stopped", "validation")
+
+
+class Master(BaseHTTPRequestHandler):
+    """A Determined master's kill endpoints as its source defines them: ``POST
+    /api/v1/notebooks/{notebook_id}/kill`` (proto/src/determined/api/v1/api.proto:1443) and ``POST
+    /api/v1/shells/{shell_id}/kill`` (api.proto:1492), a bearer token required
+    (master/internal/grpcutil/auth.go:98: "Bearer " or unauthenticated)."""
+
+    token = "s3ss10n-t0ken"
+    killed: list[str] = []
+
+    def do_POST(self):  # noqa: N802
+        auth = self.headers.get("Authorization", "")
+        if auth != f"Bearer {self.token}":
+            self.send_response(401)
+            self.end_headers()
+            return
+        m = re.fullmatch(r"/api/v1/(notebooks|shells)/([\w.-]+)/kill", self.path)
+        if not m:
+            self.send_response(404)
+            self.end_headers()
+            return
+        type(self).killed.append(f"{m.group(1)}/{m.group(2)}")
+        body = b"{}"  # KillNotebookResponse: {"notebook": {...}}; the watchdog reads only the status
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_idle_determined_notebook_killed_through_the_master(nvml, tmp_path):
+    """A Determined notebook's process (DET_TASK_ID, DET_TASK_TYPE=NOTEBOOK, DET_USER as the master sets
+    them: master/pkg/tasks/task.go:199, master/internal/api_notebook.go:296) idle on GPU 1 is warned,
+    then killed through the master's API with the token file's bearer token; a trial's task beside it on
+    GPU 0, idle too, is warned only."""
+    Master.killed = []
+    server = HTTPServer(("127.0.0.1", 0), Master)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    token = tmp_path / "det-master.token"
+    token.write_text(Master.token + "\n")
+    lab = make_lab(tmp_path, master_token_file=str(token))
+    cfg = json.loads(json.dumps(__import__("yaml").safe_load(lab.config.read_text())))
+    cfg["master_url"] = f"http://127.0.0.1:{server.server_port}"
+    lab.config.write_text(__import__("yaml").safe_dump(cfg))
+    notebook = subprocess.Popen(["sleep", "120"], env={"DET_TASK_ID": "nb-2f7c", "DET_TASK_TYPE": "NOTEBOOK",
+                                                        "DET_USER": "alice"})
+    trial = subprocess.Popen(["sleep", "120"], env={"DET_TASK_ID": "7.1a9e", "DET_TASK_TYPE": "TRIAL",
+                                                     "DET_USER": "bob"})
+    dog = None
+    try:
+        set_gpus(nvml, (0, 0), (0, 0), procs={0: [trial.pid], 1: [notebook.pid]})
+        dog = start_watchdog(lab, nvml, None)
+        wait_for(lambda: Master.killed, WINDOW + GRACE + 15, dog)
+        time.sleep(3 * INTERVAL)
+    finally:
+        if dog is not None:
+            stop(dog)
+        notebook.kill()
+        trial.kill()
+        server.shutdown()
+    assert Master.killed == ["notebooks/nb-2f7c"]
+    entries = journal(lab)
+    assert events(entries, "determined:nb-2f7c") == ["warned", "acted"]
+    assert events(entries, "determined:7.1a9e") == ["warned"]
+    (tw,) = [e for e in entries if e["holder"] == "determined:7.1a9e"]
+    assert tw["user"] == "bob" and "It is not stopped" in tw["message"]

@@ -14,9 +14,10 @@ from __future__ import annotations
 import os
 import pwd
 import re
+import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -120,8 +121,20 @@ def _expand_nodes(text: str) -> set[str]:
     return {f"{m.group(1)}{i}{m.group(3)}" for i in _indices(m.group(2))}
 
 
+#: where scontrol finds slurm.conf without SLURM_CONF (a configless node keeps slurmd's copy in /run)
+SLURM_CONFS = (Path("/etc/slurm/slurm.conf"), Path("/run/slurm/conf/slurm.conf"))
+
+
+def slurm_configured(env: Mapping[str, str] | None = None) -> bool:
+    """Whether this machine has a Slurm config scontrol would read (without one it retries for a minute)."""
+    given = ({**os.environ, **env} if env is not None else os.environ).get("SLURM_CONF")
+    return shutil.which("scontrol") is not None and any(p.is_file() for p in ((Path(given),) if given else SLURM_CONFS))
+
+
 def slurm_holders(node: str, env: Mapping[str, str] | None = None) -> list[Holder]:
     """The running Slurm jobs holding GPUs on ``node``; [] where Slurm is not installed or does not answer."""
+    if not slurm_configured(env):
+        return []
     try:
         proc = subprocess.run(["scontrol", "-d", "-o", "show", "job"], capture_output=True, text=True,
                               timeout=COMMAND_TIMEOUT, env=None if env is None else {**os.environ, **env})
@@ -159,28 +172,42 @@ def process_holders(readings: Iterable[GpuReading], slurm_jobs: set[str]) -> lis
             for key, h in sorted(found.items())]
 
 
-def lease_holders(settings) -> list[Holder]:
-    """The local GPU leases of ``det_lab.gpus`` (where that package exists), as holders."""
-    try:
-        from det_lab.gpus import active_leases
-    except ImportError:
-        return []
-    out = []
+def lease_holders(settings, host: str) -> list[Holder]:
+    """This machine's GPU leases (``det-lab run --local`` takes one per run), as holders: a run's lease
+    is that run, with its GPUs whether or not its process is on them yet."""
+    from det_lab.gpus import active_leases
+    from det_lab.trials.record import LocalRunRecord
+    from det_lab.volume import VolumeLayout
+
+    layout = VolumeLayout.from_settings(settings)
+    grouped: dict[str, dict] = {}
     for lease in active_leases(settings):
-        gpus = tuple(getattr(lease, "gpus", None) or (getattr(lease, "gpu", None),))
-        ident = str(getattr(lease, "id", None) or getattr(lease, "lease_id", ""))
-        out.append(Holder(key=f"lease:{ident}", kind="lease", user=str(getattr(lease, "user", "")),
-                          name=str(getattr(lease, "name", None) or ident),
-                          gpus=tuple(g for g in gpus if isinstance(g, int))))
+        if lease.host != host:
+            continue
+        h = grouped.setdefault(lease.lease_id, {"lease": lease, "gpus": set()})
+        h["gpus"].add(lease.gpu_index)
+    out = []
+    for ident, h in sorted(grouped.items()):
+        lease = h["lease"]
+        if lease.run and lease.project:
+            run_dir = LocalRunRecord.runs_root(layout, lease.project) / lease.run
+            out.append(Holder(key=f"run:{lease.run}", kind="run", user=lease.user, name=lease.run,
+                              gpus=tuple(sorted(h["gpus"])), run_dir=str(run_dir), pids=(lease.pid,)))
+        else:
+            out.append(Holder(key=f"lease:{ident}", kind="lease", user=lease.user, name=lease.run or ident,
+                              gpus=tuple(sorted(h["gpus"])), pids=(lease.pid,)))
     return out
 
 
-def discover(readings: list[GpuReading], node: str, settings=None,
+def discover(readings: list[GpuReading], node: str, host: str, settings=None,
              slurm_env: Mapping[str, str] | None = None) -> list[Holder]:
-    """Every holder of this machine's GPUs now, once each (a run on a lease is the run)."""
+    """Every holder of this machine's GPUs now, once each (a run on a lease and on its GPUs is one run,
+    on the GPUs of both)."""
     slurm = slurm_holders(node, slurm_env)
-    holders = slurm + process_holders(readings, {h.job_id for h in slurm})
-    held = {g for h in holders for g in h.gpus}
-    holders += [h for h in (lease_holders(settings) if settings is not None else []) if not set(h.gpus) & held]
+    found: dict[str, Holder] = {h.key: h for h in slurm}
+    for h in process_holders(readings, {h.job_id for h in slurm}) + \
+            (lease_holders(settings, host) if settings is not None else []):
+        seen = found.get(h.key)
+        found[h.key] = h if seen is None else replace(seen, gpus=tuple(sorted(set(seen.gpus) | set(h.gpus))))
     known = {g.index for g in readings}
-    return [h for h in holders if set(h.gpus) & known]
+    return [h for h in found.values() if set(h.gpus) & known]

@@ -70,7 +70,7 @@ class Watchdog:
         """Sample, judge and act once; returns the holders seen."""
         now = self.clock()
         readings = {g.index: g for g in self.read()}
-        holders = discover(list(readings.values()), self.node, self.settings, self.slurm_env)
+        holders = discover(list(readings.values()), self.node, self.host, self.settings, self.slurm_env)
         states = self.journal.states()
         elapsed = min(now - self._last_pass, 2 * self.wd.interval) if self._last_pass else self.wd.interval
         idle_seconds: dict[str, float] = {}
