@@ -12,6 +12,7 @@ of the last segment and the first undelivered event are read.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 from collections.abc import Iterable, Iterator
@@ -87,17 +88,34 @@ def backlog(directory: Path) -> dict[str, tuple[int, float | None]]:
     return out
 
 
+def _local_store(target: str) -> bool:
+    """A tracker that is a file or directory on this machine (SQLite, a file store, a local Aim repo)."""
+    return urlparse(target).scheme in ("sqlite", "file", "")
+
+
+#: default ports of the database servers an MLflow tracking URI may name
+DB_PORTS = {"postgresql": 5432, "mysql": 3306}
+
+
 def answers(target: str, timeout: float = 2.0) -> bool | None:
-    """Whether a tracker server answers; None for a target that is a file or database (nothing to ask)."""
+    """Whether a tracker answers: a server's health endpoint or port, a local store's file or directory
+    (readable); None only for a target det_lab cannot check."""
     parsed = urlparse(target)
     if parsed.scheme in ("http", "https"):
         return http_answers(target.rstrip("/") + "/health", timeout)[0]
-    if parsed.scheme == "aim" and parsed.hostname and parsed.port:
+    scheme = parsed.scheme.split("+")[0]
+    if (scheme == "aim" or scheme in DB_PORTS) and parsed.hostname:
         try:
-            with socket.create_connection((parsed.hostname, parsed.port), timeout=timeout):
+            with socket.create_connection((parsed.hostname, parsed.port or DB_PORTS.get(scheme, 0)), timeout=timeout):
                 return True
         except OSError:
             return False
+    if scheme == "sqlite":
+        path = Path(target.removeprefix("sqlite:///"))  # sqlite:////abs/path: /abs/path
+        return path.is_file() and os.access(path, os.R_OK)
+    if scheme in ("file", ""):
+        path = Path(parsed.path if scheme == "file" else target)
+        return path.is_dir() and os.access(path, os.R_OK | os.X_OK)
     return None
 
 
@@ -105,6 +123,13 @@ class TrackersSource(VolumeReader):
     """Backlogs of every journal of ``settings``'s volume, and its tracker servers."""
 
     name = "trackers"
+
+    def configured_targets(self) -> set[tuple[str, str]]:
+        """``(backend, target)`` the lab config names (a local default is each user's own store: the
+        journals say which ones runs deliver to)."""
+        tracking = self.settings.tracking
+        return {(b, t) for b, t in (("mlflow", tracking.mlflow_uri if tracking.uses_mlflow else None),
+                                    ("aim", tracking.aim_repo if tracking.uses_aim else None)) if t}
 
     def collect(self) -> Iterable[Metric]:
         self.mounted_root()
@@ -116,7 +141,12 @@ class TrackersSource(VolumeReader):
         out.gauge("tracker_oldest_undelivered_seconds", "age of each run's oldest undelivered event, per backend",
                   ["project", "run", "backend"])
         damaged = 0
+        targets = self.configured_targets()
         for project, d in journals(self.layout, sorted(self.settings.projects)):
+            recorded = _json(d / RUN_FILE)
+            recorded = recorded.get("targets") if isinstance(recorded, dict) else None
+            if isinstance(recorded, dict):  # the local stores runs deliver to (a server is the config's)
+                targets |= {(b, t) for b, t in recorded.items() if isinstance(t, str) and _local_store(t)}
             try:
                 per_backend = backlog(d)
             except (OSError, ValueError):
@@ -125,19 +155,20 @@ class TrackersSource(VolumeReader):
             run = d.parent.name if d.name == JOURNAL_DIR else d.name
             for backend, (pending, oldest) in per_backend.items():
                 totals[backend] = totals.get(backend, 0) + pending
+                labels = {"project": project, "run": run, "backend": backend}
+                # a zero for each known run and backend: a panel tells "all delivered" from "no data"
+                out.add("tracker_undelivered_events", "", labels, pending)
                 if pending:
-                    labels = {"project": project, "run": run, "backend": backend}
-                    out.add("tracker_undelivered_events", "", labels, pending)
                     out.add("tracker_oldest_undelivered_seconds", "", labels, max(now - (oldest or now), 0.0))
         out.gauge("tracker_backlog_events", "undelivered events of all runs, per backend", ["backend"])
+        for backend, _ in targets:
+            totals.setdefault(backend, 0)
         for backend, n in sorted(totals.items()):
             out.add("tracker_backlog_events", "", {"backend": backend}, n)
         out.add("tracker_damaged_journals", "journals whose run.json cannot be read", {}, damaged)
-        tracking = self.settings.tracking
         out.gauge("tracker_up", "1 when the lab's tracker server answers", ["backend", "target"])
-        for backend, target in (("mlflow", tracking.mlflow_uri if tracking.uses_mlflow else None),
-                                ("aim", tracking.aim_repo if tracking.uses_aim else None)):
-            ok = answers(target) if target else None
+        for backend, target in sorted(targets):
+            ok = answers(target)
             if ok is not None:
                 out.add("tracker_up", "", {"backend": backend, "target": target}, 1 if ok else 0)
         return list(out)
