@@ -430,3 +430,38 @@ def test_usage_join_reads_lineage_only_for_jobs_in_the_period_and_survives_damag
     bare = {"name": "bare", "template": "t", "exp_conf": {"data": None}, "slurm": {"job_id": 11}}
     (joined,) = join([job("11")], [(bare, None)])
     assert (joined.run, joined.project, joined.dataset) == ("bare", None, None)
+
+
+def test_a_slurm_yaml_naming_no_cluster_uses_the_running_clusters_name(acct):
+    """A slurm.yaml without cluster_name (a cluster det_lab did not configure): the accounts go to the
+    cluster slurmdbd runs (scontrol show config's ClusterName), already in place here, so nothing
+    changes (it used to add a cluster named det-lab and make the accounts there, exit 0); with no
+    cluster answering, or a cluster_name that is not the running cluster's, one line and no change."""
+    import yaml
+
+    cluster = acct["cluster"]
+    unnamed = acct["tmp"] / "slurm-unnamed.yaml"
+    cluster.slurm_yaml(unnamed, members=members(), deny_on_limit=True, projects={SIDE: {"gpu_limit": 1}})
+    data = yaml.safe_load(unnamed.read_text())
+    data.pop("cluster_name")
+    unnamed.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = sacctmgr_state(cluster)
+    clusters = cluster.run("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster").stdout.split()
+    synced = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(unnamed)}, "slurm", "accounts")
+    assert synced.returncode == 0, synced.stderr
+    assert f"already match the lab config: nothing to change" in synced.stdout
+    assert f"on cluster {cluster.settings.cluster_name}" in synced.stdout
+    assert cluster.run("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster").stdout.split() == clusters
+    assert sacctmgr_state(cluster) == before
+
+    gone = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(unnamed), "SLURM_CONF": str(acct["tmp"] / "none.conf")},
+                   "slurm", "accounts")
+    assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
+        f"error: {unnamed} names no cluster_name and scontrol show config did not answer: set cluster_name: to "
+        f"slurm.conf's ClusterName"]
+    wrong = acct["tmp"] / "slurm-wrong.yaml"
+    wrong.write_text(yaml.safe_dump({**data, "cluster_name": "elsewhere"}, sort_keys=False))
+    refused = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(wrong)}, "slurm", "accounts")
+    assert refused.returncode == 2 and "but the running Slurm cluster is " + cluster.settings.cluster_name \
+        in refused.stderr, refused.stderr
+    assert sacctmgr_state(cluster) == before

@@ -49,6 +49,45 @@ def sacctmgr(*argv: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
+def running_cluster_name(timeout: float = 30) -> str | None:
+    """The ClusterName of the Slurm this machine talks to (``scontrol show config``); None when
+    scontrol is missing or slurmctld does not answer."""
+    import shutil
+
+    exe = shutil.which("scontrol")
+    if exe is None:
+        return None
+    try:
+        proc = subprocess.run([exe, "show", "config"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+    if proc.returncode != 0:
+        return None
+    for line in proc.stdout.splitlines():
+        key, _, value = line.partition("=")
+        if key.strip() == "ClusterName" and value.strip():
+            return value.strip()
+    return None
+
+
+def with_cluster_name(slurm: SlurmSettings) -> SlurmSettings:
+    """``slurm`` naming the cluster slurmdbd knows the running one by: slurm.yaml's ``cluster_name``
+    when it names one (it must be the running cluster's), else the running cluster's ClusterName.
+    A slurm.yaml naming none, with no cluster answering, is one line: changes made to a cluster name
+    slurmdbd does not run would set no limit anywhere."""
+    where = slurm.source or "the Slurm config"
+    running = running_cluster_name()
+    if "cluster_name" in slurm.model_fields_set:
+        if running is not None and running != slurm.cluster_name:
+            raise AccountingError(f"{where}: cluster_name {slurm.cluster_name}, but the running Slurm cluster is "
+                                  f"{running} (scontrol show config): set cluster_name: {running}")
+        return slurm
+    if running is None:
+        raise AccountingError(f"{where} names no cluster_name and scontrol show config did not answer: set "
+                              f"cluster_name: to slurm.conf's ClusterName")
+    return slurm.model_copy(update={"cluster_name": running})
+
+
 def _rows(text: str, n: int) -> list[list[str]]:
     return [(line.split("|") + [""] * n)[:n] for line in text.splitlines() if line.strip()]
 

@@ -321,13 +321,14 @@ def accounts(
 ) -> None:
     """Make Slurm's accounts, members and GPU limits match the lab config (sacctmgr): prints the plan
     (add / change / remove); removes only what it made, never root or accounts made by hand."""
-    from det_lab.accounting.sync import AccountingError, apply, plan, read_state
+    from det_lab.accounting.sync import AccountingError, apply, plan, read_state, with_cluster_name
 
     _, slurm = load(ctx)
     if slurm.accounting is None:
         fail(f"{slurm.source or 'the Slurm config'} has no accounting: section (members, GPU limits): "
              "nothing to make")
     try:
+        slurm = with_cluster_name(slurm)
         steps = plan(slurm, read_state(slurm.cluster_name))
     except AccountingError as exc:
         fail(str(exc))
