@@ -394,3 +394,12 @@ def test_idle_determined_notebook_killed_through_the_master(nvml, tmp_path):
     assert events(entries, "determined:7.1a9e") == ["warned"]
     (tw,) = [e for e in entries if e["holder"] == "determined:7.1a9e"]
     assert tw["user"] == "bob" and "It is not stopped" in tw["message"]
+
+
+def test_monitor_config_renders_the_watchdog_service(lab, tmp_path):
+    """``det-lab monitor config`` writes the watchdog's systemd unit: run as root (it reads other users'
+    process environments and stops their jobs), restarted on failure, with the lab's config."""
+    lab.cli("monitor", "config", "--out", str(tmp_path / "mon"), "--machine", "gpu1", check=True)
+    unit = (tmp_path / "mon" / "systemd" / "det-lab-watchdog.service").read_text()
+    assert "\nExecStart=det-lab watchdog\n" in unit and "\nUser=root\n" in unit
+    assert "\nRestart=on-failure\n" in unit and "WantedBy=multi-user.target" in unit

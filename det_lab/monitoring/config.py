@@ -2,8 +2,8 @@
 
 Targets come from the lab's configs: every Slurm node (``<data root>/.det-lab/slurm.yaml``) and
 every Determined agent (``cluster.yaml`` pools) gets node_exporter; those with GPUs also a det-lab
-exporter of their GPUs and dcgm-exporter; the lab exporter (queue, volume, runs, trackers) runs
-on one machine. A Determined master is scraped at ``/prom/det-state-metrics`` and
+exporter of their GPUs, dcgm-exporter and the idle-GPU watchdog (``det-lab watchdog``); the lab
+exporter (queue, volume, runs, trackers) runs on one machine. A Determined master is scraped at ``/prom/det-state-metrics`` and
 ``/debug/prom/metrics`` with a bearer token read from a file (``authorization.credentials_file``)
 that ``det-lab monitor token`` renews from a systemd timer; master.yaml carries
 ``observability.enable_prometheus: true``. The TSDB belongs on a local disk (``det-lab doctor``
@@ -32,6 +32,7 @@ TOKEN_FILE = "det-master.token"
 RECORDING_FILE = "rules/det-lab-recording.yml"
 ALERTS_FILE = "rules/det-lab-alerts.yml"
 PROMETHEUS_UNIT = "det-lab-prometheus.service"
+WATCHDOG_UNIT = "det-lab-watchdog.service"
 DEFAULT_TSDB = Path("/var/lib/det-lab/prometheus")
 SYSTEMD_DIR = Path("/etc/systemd/system")
 
@@ -140,6 +141,10 @@ def systemd_units(plan: MonitorPlan) -> dict[str, str]:
         "det-lab-exporter-gpus.service": service(
             "det-lab exporter of this machine's GPUs (NVML)",
             f"{plan.det_lab} exporter --port {DEFAULT_PORT} --source gpus"),
+        # as root: it reads other users' process environments, cancels their jobs, signals their trainers
+        WATCHDOG_UNIT: service(
+            "det-lab watchdog: warn, then stop, holders of this machine's idle GPUs (lab config: watchdog)",
+            f"{plan.det_lab} watchdog", "User=root\n"),
         PROMETHEUS_UNIT: service(
             "Prometheus for the det-lab lab (TSDB on a local disk, never NFS)",
             f"/usr/bin/prometheus --config.file={prom_dir / 'prometheus.yml'} --storage.tsdb.path={plan.tsdb} "
