@@ -74,6 +74,7 @@ def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) 
         lambda: _service_checks(settings),
         lambda: _backup_checks(settings),
         lambda: _bind_source_checks(settings),
+        lambda: _task_config_checks(settings),
         lambda: _tsdb_checks(mounts_file),
         lambda: _accounting_checks(settings),
     ):
@@ -420,6 +421,25 @@ def _bind_source_checks(settings: LabSettings) -> Iterator[Check]:
         yield Check("bind mounts", "fail" if ours else "warn", detail, fix)
     if not missing:
         yield Check("bind mounts", "pass", "every host path task containers bind-mount exists here")
+
+
+def _task_config_checks(settings: LabSettings) -> Iterator[Check]:
+    """Cluster tasks read the lab config from its copy on the volume: there, and the same as this one."""
+    from det_lab.cluster.config import task_config_path, task_config_problem
+    from det_lab.cluster.settings import ClusterConfigError, load_cluster_settings
+
+    try:
+        cluster = load_cluster_settings(settings)
+    except ClusterConfigError:
+        return
+    if cluster.source is None:
+        return
+    problem = task_config_problem(settings)
+    if problem:
+        yield Check("task lab config", "warn", problem,
+                    "run 'det-lab cluster up' (or 'det-lab cluster agent-up') on a cluster machine")
+    else:
+        yield Check("task lab config", "pass", f"{task_config_path(settings)} is this lab config")
 
 
 def _tsdb_checks(mounts_file: Path, tsdb_dirs: list[Path] | None = None) -> Iterator[Check]:

@@ -267,11 +267,18 @@ def test_vla_trains_in_the_task_as_the_linked_user(lab):
     ckpts = _checkpoints(lab, run, "checkpoints/vla")
     assert ckpts and all((c / "state_dict.pth").is_file() for c in ckpts)
     assert {c.stat().st_uid for c in ckpts} == {lab.a.uid}
-    # a second trial, another member, a fresh sandbox: only what is mounted is still there
+    # a second trial, another member, a fresh sandbox: only what is mounted is still there. Its
+    # frame cache in shm does not fit the container's /dev/shm (task_trial.go:141-143: the
+    # experiment's resources.shm_size), so it goes to the volume instead of a SIGBUS
+    conf["hyperparameters"]["frame_cache"] = "shm"
+    conf["resources"]["shm_size"] = 256 * 1024
     before = _runs(lab)
     second = _run(lab, "vla", conf, user=lab.b, trial_id=2)
-    assert "pulled" not in second.stdout.lower() or "already" in second.stdout.lower()
-    assert _new_run(lab, before)["status"] == "finished"
+    run = _new_run(lab, before)
+    assert run["status"] == "finished"
+    log = (lab.data / "outputs" / "grasping" / "local-runs" / run["name"] / "train.log").read_text()
+    assert "the frame cache needs" in log and "resources.shm_size" in log
+    assert list((lab.data / "outputs" / "grasping" / "frame-cache").glob("frames-*.npy"))
 
 
 @needs_sandbox
@@ -315,3 +322,46 @@ def test_isaac_trains_in_the_task(lab):
     run = _new_run(lab, before)
     assert run["status"] == "finished", run
     assert run["checkpoints"] and {p.stat().st_uid for p in _checkpoints(lab, run, "checkpoints/isaac")} == {lab.a.uid}
+
+
+def _configs() -> list[Path]:
+    return sorted(p for p in TEMPLATES.glob("*/*.yaml") if "entrypoint" in (yaml.safe_load(p.read_text()) or {}))
+
+
+@pytest.mark.parametrize("config", _configs(), ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_the_hook_installs_det_lab_into_the_python_the_entrypoint_runs(config):
+    """task-setup.sh:16-19: Determined's wrapper runs $DET_PYTHON_EXECUTABLE (python3 unless set), and
+    so does the hook; an entrypoint on another interpreter would not see what the hook installed."""
+    conf = yaml.safe_load(config.read_text())
+    env = dict(e.split("=", 1) for e in env_list((conf.get("environment") or {}).get("environment_variables")))
+    python = env.get("DET_PYTHON_EXECUTABLE", "python3")
+    argv = conf["entrypoint"].split() if isinstance(conf["entrypoint"], str) else list(conf["entrypoint"])
+    if "-m" in argv[1:2] and argv[2].startswith("determined.launch."):  # the launcher's own python, then the trial's
+        assert argv[0] == python
+        argv = argv[3:]
+    assert argv[0] == python, f"{config.name}: entrypoint runs {argv[0]}, the hook installs into {python}"
+
+
+def test_doctor_says_when_tasks_would_read_an_old_lab_config(tmp_path, monkeypatch):
+    from det_lab.doctor import run_checks
+    from det_lab.volume import init_volume
+
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(tmp_path / "data"),
+                                                       "projects": {"grasping": {"quota": "2GiB"}}}))
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump({"master_host": "localhost"}))
+    monkeypatch.setenv("DET_LAB_CLUSTER_CONFIG", str(tmp_path / "cluster.yaml"))
+    lab = load_settings(tmp_path / "lab.yaml", env={})
+    init_volume(lab)
+
+    def task_config() -> list[tuple[str, str]]:
+        return [(c.status, c.detail) for c in run_checks(load_settings(tmp_path / "lab.yaml", env={}))
+                if c.name == "task lab config"]
+
+    [(status, detail)] = task_config()
+    assert status == "warn" and "missing" in detail
+    publish_task_config(lab)
+    assert [s for s, _ in task_config()] == ["pass"]
+    (tmp_path / "lab.yaml").write_text(yaml.safe_dump({"data_root": str(tmp_path / "data"),
+                                                       "projects": {"grasping": {"quota": "5GiB"}}}))
+    [(status, detail)] = task_config()
+    assert status == "warn" and "old settings" in detail

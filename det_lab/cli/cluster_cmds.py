@@ -359,7 +359,7 @@ def template(
     if out is None:
         path.write_text(text)
     try:
-        done = apply_template(det, master, name, path, env)
+        done = apply_template(det, master, name, path, env, lab)
     except TemplateApplyError as exc:
         fail(str(exc))
     console.print(f"{done} template {name!r} on {master}", highlight=False)

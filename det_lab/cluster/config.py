@@ -64,10 +64,15 @@ def task_config_path(lab: LabSettings) -> Path:
     return VolumeLayout.from_settings(lab).state / TASK_CONFIG_NAME
 
 
-def task_config_text(lab: LabSettings) -> str:
-    """The lab config as tasks read it: every setting the lab made, the data root absolute."""
+def _task_config_data(lab: LabSettings) -> dict[str, Any]:
     data = lab.model_dump(mode="json", exclude_defaults=True, exclude={"source"})
     data["data_root"] = str(lab.data_root)
+    return data
+
+
+def task_config_text(lab: LabSettings) -> str:
+    """The lab config as tasks read it: every setting the lab made, the data root absolute."""
+    data = _task_config_data(lab)
     where = lab.source or "the lab config"
     return (f"# written by det-lab from {where}; tasks read it through DET_LAB_CONFIG. Edit {where}"
             f" and run 'det-lab cluster up' (or 'cluster agent-up') again instead.\n"
@@ -78,9 +83,8 @@ def publish_task_config(lab: LabSettings) -> Path:
     """Write (or refresh) the task copy of the lab config on the volume; readable by the group."""
     path = task_config_path(lab)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = task_config_text(lab)
-    if not path.is_file() or path.read_text() != text:
-        atomic_write_text(path, text, mode=0o644)
+    if task_config_problem(lab):
+        atomic_write_text(path, task_config_text(lab), mode=0o644)
     return path
 
 
@@ -102,13 +106,11 @@ def task_config_problem(lab: LabSettings) -> str | None:
     """Why tasks would not read this lab config: its copy on the volume is missing or stale."""
     path = task_config_path(lab)
     try:
-        current = path.read_text()
-    except OSError:
-        return f"{path} is missing: cluster tasks would not know the lab's projects, quotas or group; " \
-               f"run 'det-lab cluster up' (or 'det-lab cluster agent-up') to write it"
-    if current != task_config_text(lab):
-        return f"{path} differs from {lab.source or 'the lab config'}: cluster tasks read the old settings; " \
-               f"run 'det-lab cluster up' (or 'det-lab cluster agent-up') to refresh it"
+        current = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError):
+        return f"{path} is missing or unreadable: cluster tasks would not know the lab's projects, quotas or group"
+    if current != _task_config_data(lab):  # the same settings, whichever machine's copy wrote it
+        return f"{path} differs from {lab.source or 'the lab config'}: cluster tasks read the old settings"
     return None
 
 

@@ -17,7 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
+from det_lab.cluster.config import publish_task_config
 from det_lab.errors import UserError
+from det_lab.settings import LabSettings
 
 DET_TIMEOUT_S = 60
 
@@ -36,10 +38,13 @@ def _reason(proc: subprocess.CompletedProcess[str]) -> str:
     return text.splitlines()[-1]
 
 
-def apply_template(det: str, master: str, name: str, path: Path,
-                   env: Mapping[str, str]) -> Literal["created", "updated"]:
+def apply_template(det: str, master: str, name: str, path: Path, env: Mapping[str, str],
+                   lab: LabSettings | None = None) -> Literal["created", "updated"]:
     """Create template ``name`` from the YAML file ``path`` on ``master``, or replace its config
-    when the master already has one of that name; which of the two it did."""
+    when the master already has one of that name; which of the two it did. With ``lab``, first
+    the copy of the lab config the template's tasks read (``DET_LAB_CONFIG``) is written."""
+    if lab is not None:
+        publish_task_config(lab)
     exists = _det(det, master, ["describe", name], env).returncode == 0
     if exists:
         proc = _det(det, master, ["set-value", "config", name, str(path)], env)

@@ -113,7 +113,8 @@ def collate_batch(batch: Any) -> Any:
     return batch
 
 
-def load_splits(path: Path, hp: dict[str, Any], cache_dir: Path | None = None, revision: str | None = None) -> Splits:
+def load_splits(path: Path, hp: dict[str, Any], cache_dir: Path | None = None, revision: str | None = None,
+                fallback_dir: Path | None = None) -> Splits:
     """Read the dataset at ``path`` and hold out ``hp["val_episodes"]`` episodes for validation.
 
     With ``cache_dir``, images come from the uint8 frame cache there (built on first use) for
@@ -128,7 +129,7 @@ def load_splits(path: Path, hp: dict[str, Any], cache_dir: Path | None = None, r
                                         seed=int(hp.get("split_seed", 0)))
     text = dict(vocab_size=int(model["vocab_size"]), max_text_tokens=int(model["max_text_tokens"]))
     if cache_dir is not None:
-        cache = open_frames(full, cache_dir, resize=hp.get("resize"), revision=revision)
+        cache = open_frames(full, cache_dir, resize=hp.get("resize"), revision=revision, fallback_dir=fallback_dir)
         return Splits(full, CachedPolicyFrames(full.select(train_eps), cache, **text),
                       CachedPolicyFrames(full.select(val_eps), cache, **text), train_eps, val_eps)
     kw = dict(text, resize=hp.get("resize"))

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import socket
 import uuid
 from collections.abc import Sequence
@@ -67,18 +68,44 @@ def cache_key(revision: str, cameras: Sequence[str], resize: int | None) -> str:
 
 
 def open_frames(reader: LeRobotDataset, cache_dir: Path, *, resize: int | None = None,
-                revision: str | None = None) -> np.ndarray:
+                revision: str | None = None, fallback_dir: Path | None = None) -> np.ndarray:
     """The ``(rows, cameras, C, H, W)`` uint8 frames of every row of ``reader``'s dataset (row =
     position in the episode-sorted frame table), memory-mapped; built first if not cached.
 
     ``revision`` names the dataset's content (pass the DVC md5 of a pulled snapshot); without it
-    the files' sizes and modification times stand in.
+    the files' sizes and modification times stand in. A cache that would not fit where it goes is
+    built in ``fallback_dir`` instead (with a warning), or refused in one line: writing a memory map
+    past a full tmpfs (a task container's /dev/shm: 4 GiB unless raised) kills the trial with SIGBUS.
     """
     revision = revision or dataset_fingerprint(reader.root)
-    final = Path(cache_dir) / f"frames-{cache_key(revision, reader.cameras, resize)}.npy"
+    name = f"frames-{cache_key(revision, reader.cameras, resize)}.npy"
+    final = Path(cache_dir) / name
     if not final.is_file():
-        _build(reader, final, resize)
+        needed = _cache_bytes(reader, resize)
+        free = _free_bytes(final.parent)
+        if free < needed:
+            where = (f"{cache_dir} has {free / 2**20:.1f} MiB free and the frame cache needs {needed / 2**20:.1f} MiB"
+                     + ("; raise the task's shm size (resources.shm_size, or tasks.shm_size in cluster.yaml)"
+                        if Path(cache_dir) == SHM_DIR else ""))
+            if fallback_dir is None:
+                raise OSError(f"frame cache: {where}")
+            log.warning("frame cache: %s; building it in %s instead", where, fallback_dir)
+            final = Path(fallback_dir) / name
+        if not final.is_file():
+            _build(reader, final, resize)
     return np.load(final, mmap_mode="r")
+
+
+def _cache_bytes(reader: LeRobotDataset, resize: int | None) -> int:
+    c, h, w = (3, resize, resize) if resize else reader.image_shape(reader.cameras[0])
+    return len(reader.select(reader.episode_indices)) * len(reader.cameras) * c * h * w + 4096  # + .npy header
+
+
+def _free_bytes(directory: Path) -> int:
+    path = Path(directory)
+    while not path.exists():  # the cache directory itself is made by the build
+        path = path.parent
+    return shutil.disk_usage(path).free
 
 
 def _build(reader: LeRobotDataset, final: Path, resize: int | None) -> None:

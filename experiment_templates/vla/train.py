@@ -49,8 +49,10 @@ class VLATrial(LabPyTorchTrial):
         self.hp = hp
         if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
             torch.set_num_threads(int(hp["torch_threads"]))
-        cache_dir = resolve_cache_dir(hp.get("frame_cache"), self.volume.outputs(self.lab.project) / "frame-cache")
-        self.splits = load_splits(self.dataset_path, hp, cache_dir, self.dataset.identity.md5 if self.dataset else None)
+        on_volume = self.volume.outputs(self.lab.project) / "frame-cache"
+        cache_dir = resolve_cache_dir(hp.get("frame_cache"), on_volume)
+        self.splits = load_splits(self.dataset_path, hp, cache_dir, self.dataset.identity.md5 if self.dataset else None,
+                                  fallback_dir=on_volume if cache_dir != on_volume else None)
         full = self.splits.full
         shapes = {full.image_shape(k) for k in full.cameras}
         if hp.get("resize"):
