@@ -113,3 +113,27 @@ def test_bad_input_is_one_line(lab):
                        (("--days", "-1"), "--days must be 0 or more")):
         proc = lab.cli("volume", "usage", *args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
+def test_kept_checkpoint_figures_follow_changes(volume, monkeypatch, tmp_path):
+    """The figures a walk keeps of complete checkpoints are the same as a fresh walk's, and a
+    checkpoint changed since (a file added, one removed) is measured again."""
+    from det_lab.trials import space
+
+    lab, settings, layout = volume
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(space, "SETTLED_S", 0.0)
+    ck = layout.project_checkpoints("vla")
+    dirs = [layout.root / d / "vla" for d in KIND_DIRS]
+    first = space.volume_space(settings, reclaimable=False, projects=["vla"])
+    assert (tmp_path / "cache" / "det-lab").is_dir()
+    assert first.projects["vla"].kinds["checkpoints"] == du(*dirs)[3]
+    (ck / "c3" / "extra.bin").write_bytes(os.urandom(50000))
+    try:
+        again = space.volume_space(settings, reclaimable=False, projects=["vla"])
+        assert again.projects["vla"].kinds["checkpoints"] == du(*dirs)[3] > first.projects["vla"].kinds["checkpoints"]
+        assert dict(again.by("run"))["vla/r2"] == sum(du(ck / "c3", layout.outputs("vla") / "local-runs" / "r2"))
+    finally:
+        (ck / "c3" / "extra.bin").unlink()
+    third = space.volume_space(settings, reclaimable=False, projects=["vla"])
+    assert third.projects["vla"].kinds["checkpoints"] == first.projects["vla"].kinds["checkpoints"]

@@ -12,21 +12,28 @@ the user who owns it, and to a run when it lies in the run's directory or in a c
 
 from __future__ import annotations
 
+import hashlib
 import os
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
+
+import orjson
 
 from det_lab.settings import LabSettings
 from det_lab.trials.listing import user_name
-from det_lab.trials.storage import run_states
-from det_lab.volume import VolumeLayout
+from det_lab.jsonload import loads
+from det_lab.trials.storage import FactsCache, run_facts, trains
+from det_lab.volume import VolumeLayout, atomic_write_text
 
 Kind = Literal["cache", "snapshots", "datasets", "checkpoints", "outputs"]
 KINDS: tuple[Kind, ...] = ("cache", "snapshots", "datasets", "checkpoints", "outputs")
 By = Literal["project", "user", "kind", "run"]
 NO_RUN = ""
+#: a complete checkpoint unchanged this long is taken as written for good (its figures kept)
+SETTLED_S = 60.0
 
 
 def kind_dir(layout: VolumeLayout, project: str, kind: Kind) -> Path:
@@ -73,19 +80,27 @@ class SpaceReport:
         return sum(self.cells.values())
 
 
-def _labels(layout: VolumeLayout, project: str) -> dict[str, str]:
-    """Directory -> run name: each local-style run's directory, each cluster trial's output
-    directory, and each checkpoint a run's ``run.json`` lists."""
+def _labels(layout: VolumeLayout, project: str, facts_cache: FactsCache, old_before: float) -> tuple[dict[str, str], set[str]]:
+    """Directory -> run name (each local-style run's directory, each checkpoint its ``run.json``
+    lists, each cluster trial's output directory), and the runs ``runs prune --older-than`` would
+    take: unchanged since ``old_before`` and not training."""
     labels: dict[str, str] = {}
-    for directory, state, _st in run_states(layout, project):
+    old: set[str] = set()
+    roots: dict[str, str] = {}
+    for directory, facts in run_facts(layout, project, facts_cache):
         name = directory.name
         labels[str(directory)] = name
-        if not state:
+        if facts is None:
             continue
-        root = layout.experiment_checkpoints(project, state.get("exp_conf") if isinstance(state.get("exp_conf"), dict) else None)
-        for entry in state.get("checkpoints") or []:
-            if isinstance(entry, dict) and entry.get("uuid"):
-                labels.setdefault(os.path.join(root, str(entry["uuid"])), name)
+        if facts.changed < old_before and not trains(facts, directory):
+            old.add(name)
+        where = repr(facts.storage)
+        if where not in roots:
+            roots[where] = str(layout.experiment_checkpoints(project, {"checkpoint_storage": facts.storage}
+                                                             if facts.storage else None)) + os.sep
+        root = roots[where]
+        for uuid in facts.checkpoints:
+            labels.setdefault(root + uuid, name)
     trials = layout.outputs(project) / "trials"
     try:
         with os.scandir(trials) as it:
@@ -93,47 +108,160 @@ def _labels(layout: VolumeLayout, project: str) -> dict[str, str]:
                 labels[e.path] = e.name
     except OSError:
         pass
-    return labels
+    return labels, old
 
 
-def _walk(top: Path, run: str, labels: dict[str, str], seen: set[tuple[int, int]],
-          cells: dict[tuple[str, int], int]) -> int:
-    """Add the blocks under ``top`` (itself included) to ``cells[(run, uid)]``, each inode once;
-    returns the total."""
-    try:
-        st = os.lstat(top)
-    except OSError:
-        return 0
-    total = st.st_blocks * 512
-    cells[(run, st.st_uid)] += total
-    stack = [(str(top), run)]
-    while stack:
-        current, label = stack.pop()
+class _Walk:
+    """One walk of the volume, each inode once. A complete checkpoint (its ``metadata.json``
+    there, nothing in it changed for a minute) is written once and never changed in place, so its
+    figures are kept on local disk (``$XDG_CACHE_HOME/det-lab/space-<volume>.json``) under the
+    inode and times of each of its directories, and a later walk stats its directories only."""
+
+    def __init__(self, data_root: Path) -> None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
+        volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
+        self.path = base / f"space-{volume}.json"
         try:
-            it = os.scandir(current)
+            known = loads(self.path.read_bytes())
+            self.known: dict[str, Any] = known if isinstance(known, dict) else {}
+        except (OSError, ValueError):
+            self.known = {}
+        self.kept: dict[str, Any] = {}
+        self.changed = False
+        self.seen: set[tuple[int, int]] = set()
+        self.now = time.time()
+
+    def tree(self, top: Path, run: str, labels: dict[str, str], cells: dict[tuple[str, int], int],
+             units: bool = False) -> int:
+        """Add the blocks under ``top`` (itself included) to ``cells[(run, uid)]``; returns the
+        total. With ``units``, each labelled directory is a checkpoint that may come from the cache."""
+        try:
+            st = os.lstat(top)
         except OSError:
-            continue
-        with it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if entry.is_dir(follow_symlinks=False):
-                    stack.append((entry.path, labels.get(entry.path, label)))
-                    mine = labels.get(entry.path, label)
-                elif st.st_nlink > 1:
-                    key = (st.st_dev, st.st_ino)
-                    if key in seen:
+            return 0
+        total = st.st_blocks * 512
+        cells[(run, st.st_uid)] += total
+        stack = [(str(top), run)]
+        seen = self.seen
+        while stack:
+            current, label = stack.pop()
+            try:
+                it = os.scandir(current)
+            except OSError:
+                continue
+            with it:
+                for entry in it:
+                    is_dir = entry.is_dir(follow_symlinks=False)
+                    if is_dir and units and entry.path in labels:
+                        total += self._checkpoint(entry, labels[entry.path], cells)
                         continue
-                    seen.add(key)
-                    mine = label
-                else:
-                    mine = label
-                n = st.st_blocks * 512
-                cells[(mine, st.st_uid)] += n
-                total += n
-    return total
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    if is_dir:
+                        mine = labels.get(entry.path, label)
+                        stack.append((entry.path, mine))
+                    elif st.st_nlink > 1:
+                        key = (st.st_dev, st.st_ino)
+                        if key in seen:
+                            continue
+                        seen.add(key)
+                        mine = label
+                    else:
+                        mine = label
+                    n = st.st_blocks * 512
+                    cells[(mine, st.st_uid)] += n
+                    total += n
+        return total
+
+    def _checkpoint(self, dir_entry: os.DirEntry, run: str, cells: dict[tuple[str, int], int]) -> int:
+        path = dir_entry.path
+        try:
+            st = dir_entry.stat(follow_symlinks=False)
+        except OSError:
+            return 0
+        hit = self.known.get(path)
+        if isinstance(hit, list) and len(hit) == 3 and self._unchanged(hit[0], st):
+            try:
+                return self._add(hit, run, cells, path)
+            except (TypeError, ValueError):
+                pass
+        entry = self._measure(path, st)
+        if entry is None:  # not complete yet: measured, not kept
+            mine: dict[tuple[str, int], int] = defaultdict(int)
+            n = self.tree(Path(path), run, {}, mine)
+            for k, v in mine.items():
+                cells[k] += v
+            return n
+        self.changed = True
+        return self._add(entry, run, cells, path)
+
+    def _unchanged(self, dirs: list, top: os.stat_result) -> bool:
+        for i, (d, ino, mtime, ctime) in enumerate(dirs):
+            try:
+                st = top if i == 0 else os.lstat(d)
+            except OSError:
+                return False
+            if (st.st_ino, st.st_mtime_ns, st.st_ctime_ns) != (ino, mtime, ctime):
+                return False
+        return True
+
+    def _add(self, entry: list, run: str, cells: dict[tuple[str, int], int], path: str) -> int:
+        dirs, by_uid, linked = entry
+        total = 0
+        for uid, n in by_uid:
+            cells[(run, int(uid))] += int(n)
+            total += int(n)
+        for dev, ino, uid, n in linked:
+            key = (dev, ino)
+            if key in self.seen:
+                continue
+            self.seen.add(key)
+            cells[(run, int(uid))] += int(n)
+            total += int(n)
+        self.kept[path] = entry
+        return total
+
+    def _measure(self, path: str, st: os.stat_result) -> list | None:
+        """``[dirs with their signatures, [uid, bytes] of singly linked entries, linked files]``
+        of a complete checkpoint; None for one still being written."""
+        dirs, by_uid, linked = [], defaultdict(int), []
+        newest = 0.0
+        complete = False
+        stack = [(path, st)]
+        by_uid[st.st_uid] += st.st_blocks * 512
+        while stack:
+            current, dst = stack.pop()
+            dirs.append([current, dst.st_ino, dst.st_mtime_ns, dst.st_ctime_ns])
+            newest = max(newest, dst.st_mtime, dst.st_ctime)
+            try:
+                with os.scandir(current) as it:
+                    for e in it:
+                        est = e.stat(follow_symlinks=False)
+                        newest = max(newest, est.st_mtime, est.st_ctime)
+                        complete = complete or (current == path and e.name == "metadata.json")
+                        if e.is_dir(follow_symlinks=False):
+                            by_uid[est.st_uid] += est.st_blocks * 512
+                            stack.append((e.path, est))
+                        elif est.st_nlink > 1:
+                            linked.append([est.st_dev, est.st_ino, est.st_uid, est.st_blocks * 512])
+                        else:
+                            by_uid[est.st_uid] += est.st_blocks * 512
+            except OSError:
+                return None
+        if not complete or newest > self.now - SETTLED_S:
+            return None
+        return [dirs, [[u, n] for u, n in by_uid.items()], linked]
+
+    def save(self) -> None:
+        if not self.changed and len(self.kept) == len(self.known):
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, orjson.dumps(self.kept).decode(), mode=0o600)
+        except (OSError, TypeError):
+            pass
 
 
 def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool = True,
@@ -143,17 +271,24 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
     layout = VolumeLayout.from_settings(settings)
     names = sorted(projects or settings.projects)
     report = SpaceReport({}, {}, days)
-    seen: set[tuple[int, int]] = set()
+    walk, facts = _Walk(settings.data_root), FactsCache(settings.data_root)
+    old_runs: dict[str, set[str]] = {}
     for project in names:
         ps = ProjectSpace(project, int(settings.project(project).quota))
-        labels = _labels(layout, project)
+        labels, old_runs[project] = _labels(layout, project, facts, time.time() - days * 86400)
         for kind in KINDS:
             cells: dict[tuple[str, int], int] = defaultdict(int)
-            ps.kinds[kind] = _walk(kind_dir(layout, project, kind), NO_RUN, labels, seen, cells)
+            ps.kinds[kind] = walk.tree(kind_dir(layout, project, kind), NO_RUN, labels, cells, units=kind == "checkpoints")
             for (run, uid), n in cells.items():
                 report.cells[(project, kind, run, uid)] = n
         report.projects[project] = ps
+    walk.save()
+    facts.save()
     if reclaimable:
+        for (project, _kind, run, _uid), n in report.cells.items():
+            if run in old_runs.get(project, ()):
+                ps = report.projects[project]
+                ps.reclaimable["runs prune"] = ps.reclaimable.get("runs prune", 0) + n
         _reclaimable(settings, report)
     return report
 
@@ -171,19 +306,6 @@ def _reclaimable(settings: LabSettings, report: SpaceReport) -> None:
                     report.notes.append(f"{p.project}: data gc leaves its cache alone: {p.skipped}")
     except (UserError, RuntimeError) as exc:  # a damaged registry or pins file: the figures stay without it
         report.notes.append(f"data gc: {exc}")
-    try:
-        from det_lab.trials.prune import plan_prune
-    except ImportError:
-        return
-    try:
-        pruned = plan_prune(settings, older_than=f"{report.days:g}d")
-    except (UserError, RuntimeError, ValueError) as exc:
-        report.notes.append(f"runs prune: {exc}")
-        return
-    for run in pruned.runs:
-        if run.project in report.projects:
-            ps = report.projects[run.project]
-            ps.reclaimable["runs prune"] = ps.reclaimable.get("runs prune", 0) + run.bytes
 
 
 def largest_consumers(settings: LabSettings, project: str, n: int = 3) -> list[tuple[str, int]]:

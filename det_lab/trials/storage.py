@@ -10,6 +10,8 @@ A run whose ``run.json`` cannot be read keeps its whole project's cache: what it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,26 +24,102 @@ from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
 from det_lab.trials.record import RUN_FILE, run_dirs
 from det_lab.trials.run_guard import training_status
-from det_lab.volume import VolumeLayout
+from det_lab.volume import VolumeLayout, atomic_write_text
 
-__all__ = ["RunDataUse", "data_gc", "dataset_keep", "run_states"]
+__all__ = ["FactsCache", "RunDataUse", "RunFacts", "data_gc", "dataset_keep", "run_facts", "trains"]
 
 
-def run_states(layout: VolumeLayout, project: str) -> Iterator[tuple[Path, dict[str, Any] | None, os.stat_result | None]]:
-    """``(run directory, run.json as a dict, its stat)`` of every local-style run of ``project``;
-    ``None, None`` for a run.json that cannot be read or parsed (a run deleted meanwhile is left out)."""
-    for directory, _cls in run_dirs(layout, project, probe=False):
-        path = os.path.join(directory, RUN_FILE)
+@dataclass(frozen=True)
+class RunFacts:
+    """What the volume's clean-up needs of one run.json (kept per user between calls)."""
+
+    status: str
+    changed: float  # run.json's modification time
+    dataset: dict[str, Any] | None  # lineage.dataset
+    checkpoints: tuple[str, ...]  # the uuids run.json lists
+    storage: dict[str, Any] | None  # exp_conf.checkpoint_storage: where its checkpoints are
+
+
+def _facts(state: dict[str, Any], changed: float) -> RunFacts:
+    lineage = state.get("lineage")
+    ds = lineage.get("dataset") if isinstance(lineage, dict) else None
+    conf = state.get("exp_conf")
+    storage = conf.get("checkpoint_storage") if isinstance(conf, dict) else None
+    uuids = tuple(str(e["uuid"]) for e in state.get("checkpoints") or [] if isinstance(e, dict) and e.get("uuid"))
+    return RunFacts(str(state.get("status") or "created"), changed, ds if isinstance(ds, dict) else None, uuids,
+                    storage if isinstance(storage, dict) else None)
+
+
+class FactsCache:
+    """The facts of the last reading of each run.json, under the file's inode, size and time, on
+    this user's local disk (``$XDG_CACHE_HOME/det-lab/run-facts-<volume>.json``): a run.json
+    replaced since (every write is a new inode) is read again; the others cost one ``stat``. A
+    cache that cannot be read or written is ignored."""
+
+    def __init__(self, data_root: Path) -> None:
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
+        volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
+        self.path = base / f"run-facts-{volume}.json"
         try:
-            with open(path, "rb") as f:
-                st = os.fstat(f.fileno())
-                state = loads(f.read())
-        except FileNotFoundError:
-            continue
+            entries = loads(self.path.read_bytes())
+            self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
         except (OSError, ValueError):
-            yield directory, None, None
+            self.entries = {}
+        self.seen: dict[str, Any] = {}
+        self.read_again = 0
+
+    def facts(self, path: str) -> RunFacts | None:
+        """The facts of the run.json at ``path``; None when it is gone; ``ValueError`` or
+        ``OSError`` when it cannot be parsed or read."""
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            return None
+        key = [st.st_ino, st.st_size, st.st_mtime_ns]
+        hit = self.entries.get(path)
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+            try:
+                facts = RunFacts(*hit[1])
+                self.seen[path] = hit
+                return facts
+            except TypeError:
+                pass
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            state = loads(f.read())
+        if not isinstance(state, dict):
+            raise ValueError(f"{path}: not a JSON object")
+        facts = _facts(state, st.st_mtime)
+        self.seen[path] = [[st.st_ino, st.st_size, st.st_mtime_ns], list(facts.__dict__.values())]
+        self.read_again += 1
+        return facts
+
+    def save(self) -> None:
+        if not self.read_again and len(self.seen) == len(self.entries):
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(self.path, json.dumps(self.seen, separators=(",", ":")), mode=0o600)
+        except (OSError, TypeError, ValueError):
+            pass
+
+
+def run_facts(layout: VolumeLayout, project: str, cache: FactsCache) -> Iterator[tuple[Path, RunFacts | None]]:
+    """``(run directory, its facts)`` of every local-style run of ``project``; ``None`` facts for
+    a run.json that cannot be read or parsed (a run deleted meanwhile is left out)."""
+    for directory, _cls in run_dirs(layout, project, probe=False):
+        try:
+            facts = cache.facts(os.path.join(directory, RUN_FILE))
+        except (OSError, ValueError):
+            yield directory, None
             continue
-        yield directory, state if isinstance(state, dict) else None, st
+        if facts is not None:
+            yield directory, facts
+
+
+def trains(facts: RunFacts, directory: Path) -> bool:
+    """Whether the run trains now (a live trainer holds its lock)."""
+    return facts.status in ("running", "created") and training_status({"status": facts.status}, directory) == "running"
 
 
 @dataclass
@@ -56,22 +134,22 @@ def dataset_keep(settings: LabSettings) -> RunDataUse:
     """The dataset revisions runs' lineage records, and the snapshots running trials read."""
     layout = VolumeLayout.from_settings(settings)
     use = RunDataUse()
+    cache = FactsCache(settings.data_root)
     for project in sorted(settings.projects):
-        for directory, state, _st in run_states(layout, project):
-            if state is None:
+        for directory, facts in run_facts(layout, project, cache):
+            if facts is None:
                 use.unreadable.setdefault(project, []).append(directory / RUN_FILE)
                 continue
-            lineage = state.get("lineage")
-            ds = lineage.get("dataset") if isinstance(lineage, dict) else None
-            if not isinstance(ds, dict) or ds.get("rev") == DIRECTORY_REV or not ds.get("md5"):
+            ds = facts.dataset
+            if ds is None or ds.get("rev") == DIRECTORY_REV or not ds.get("md5"):
                 continue
             owner = str(ds.get("project") or project)
             use.keep.lineage.setdefault(owner, set()).add(str(ds["md5"]))
             if ds.get("repo"):
                 use.keep.repositories.setdefault(owner, set()).add(str(ds["repo"]))
-            if str(state.get("status") or "created") in ("running", "created") and \
-                    training_status(state, directory) == "running":
+            if trains(facts, directory):
                 use.keep.in_use.setdefault(owner, set()).add(str(ds["md5"]).removesuffix(".dir"))
+    cache.save()
     return use
 
 
