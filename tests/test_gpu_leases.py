@@ -429,3 +429,33 @@ def test_the_exporter_labels_leased_gpus_and_exports_the_line(machine, sleeper):
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
                 finish(proc)
+
+
+def test_another_machines_leases_are_shown_and_counted(machine):
+    """A lease another machine journaled without an end: det-lab gpus shows it (not checked from here)
+    and det-lab usage counts it up to now, by user, project and template, beside this machine's."""
+    journal = machine.data / ".det-lab/gpus/journal"
+    journal.mkdir(parents=True, exist_ok=True)
+    since = time.time() - 1800
+    (journal / "otherbox.bob.jsonl").write_text(json.dumps(
+        {"event": "start", "lease": "far0", "host": "otherbox", "user": "bob", "run": "3dgs-garden", "project": "3dgs",
+         "template": "gaussian_splatting", "gpus": [{"index": 2, "uuid": "GPU-far"}, {"index": 3, "uuid": "GPU-far2"}],
+         "pid": 4242, "since": since}) + "\n")
+    assert finish(machine.run()).returncode == 0
+    status = machine.status()
+    assert status["other_hosts"] == [{"host": "otherbox", "gpus": [2, 3], "user": "bob", "run": "3dgs-garden",
+                                      "since": since, "lease": "far0"}]
+    plain = machine.cli("gpus").stdout
+    assert "otherbox: GPU 2,3 held by bob run 3dgs-garden" in plain and "not checked from here" in plain
+    (mine,) = [e for k, e in machine.leases().items() if k != "far0"]
+    before = time.time()
+    by = {}
+    for key in ("user", "project", "template"):
+        out = machine.cli("usage", "--json", "--by", key)
+        assert out.returncode == 0, out.stderr
+        by[key] = {r[key]: r["gpu_hours"] for r in json.loads(out.stdout)["summary"]}
+    mine_h = (mine["end"] - mine["since"]) / 3600
+    assert by["user"]["root"] == pytest.approx(mine_h, abs=2e-6)
+    assert by["user"]["bob"] == pytest.approx(2 * (before - since) / 3600, abs=2 * 30 / 3600)
+    assert by["project"]["vla"] == pytest.approx(mine_h, abs=2e-6) and "3dgs" in by["project"]
+    assert by["template"]["gpu-trial"] == pytest.approx(mine_h, abs=2e-6) and "gaussian_splatting" in by["template"]
