@@ -365,3 +365,28 @@ def test_doctor_says_when_tasks_would_read_an_old_lab_config(tmp_path, monkeypat
                                                        "projects": {"grasping": {"quota": "5GiB"}}}))
     [(status, detail)] = task_config()
     assert status == "warn" and "old settings" in detail
+
+
+@needs_sandbox
+def test_a_tracking_server_on_localhost_is_named_before_tasks_lose_their_metrics(lab):
+    """network_mode: bridge (det_lab renders it; task_container_defaults.go:80-84 defaults to it)
+    gives each container its own network namespace: 127.0.0.1 there is not the master machine."""
+    from det_lab.cluster.config import tracking_problems
+
+    settings = lab.settings.model_copy(update={"tracking": lab.settings.tracking.model_copy(
+        update={"backend": "mlflow", "mlflow_uri": "http://127.0.0.1:5000"})})
+    (problem,) = tracking_problems(settings)
+    assert "127.0.0.1 is the task's own container" in problem
+    probe = ("import urllib.request, sys\ntry:\n urllib.request.urlopen('http://127.0.0.1:%d', timeout=2)\n"
+             "except Exception as e:\n print('UNREACHABLE', type(e).__name__)\nelse:\n print('REACHED')")
+    import http.server
+    import threading
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        result = run_trial(lab.master(), {"environment": {}}, TEMPLATES / "vla", user=lab.linked(lab.a),
+                           image=lab.image(), command=[str(lab.bin / "python"), "-c", probe % server.server_port])
+    finally:
+        server.shutdown()
+    assert "UNREACHABLE" in result.stdout, result.stdout + result.stderr

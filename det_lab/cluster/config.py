@@ -39,7 +39,9 @@ from typing import Any
 
 import grp
 import os
+import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 
@@ -185,6 +187,15 @@ def tracking_problems(lab: LabSettings) -> list[str]:
             f"tasks would write MLflow runs to a file inside their container and lose them; set tracking.mlflow_uri "
             f"in {where} to a server the tasks reach (http://<host>:5000, e.g. 'mlflow server' on the master "
             f"machine) or tracking.backend: none")
+    for key, uri in (("tracking.mlflow_uri", t.mlflow_uri if t.uses_mlflow else None),
+                     ("tracking.aim_repo", t.aim_repo if t.backend in ("aim", "both") else None)):
+        host = urlsplit(uri).hostname if uri and "://" in uri else None
+        if host and (host == "localhost" or host.startswith("127.") or host == "::1"):
+            # network_mode: bridge (rendered above): each container has a loopback of its own
+            problems.append(
+                f"{key} is {uri}: in a cluster task {host} is the task's own container, so its metrics "
+                f"would not arrive; use this machine's name or address in {where} (e.g. "
+                f"{uri.replace(host, socket.gethostname(), 1)})")
     if t.backend in ("aim", "both") and not (t.aim_repo or "").startswith("aim://"):
         problems.append(
             f"tracking.backend is {t.backend} but tracking.aim_repo is {t.aim_repo or 'not set'}: cluster tasks "
