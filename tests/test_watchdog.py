@@ -173,6 +173,7 @@ def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_clus
         assert {g_idle, g_busy} == {0, 1}
         util = {g_idle: (0, 0), g_busy: (87, 31_000_000_000)}
         set_gpus(nvml, util[0], util[1])
+        started = time.monotonic()
         dog = start_watchdog(lab, nvml, slurm_cluster)
         warned = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], WINDOW + 15, dog)
         stop(dog, signal.SIGKILL)  # mid-grace: the next one keeps the first one's deadline
@@ -199,6 +200,12 @@ def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_clus
         mails = [email.message_from_bytes(p.read_bytes(), policy=email.policy.default) for p in sorted((tmp_path / "mail").glob("*.eml"))]
         assert sorted(m["To"] for m in mails) == ["root@lab.example"] * 2
         assert sorted(m.get_content().strip() for m in mails) == sorted([w["message"], acted["message"]])
+
+        # idle GPU-hours (det-lab usage): the idle salloc's time, not the busy job's beside it (both root's)
+        from det_lab.watchdog import idle_gpu_hours
+
+        idle_s = idle_gpu_hours(lab.root, today - dt.timedelta(days=1))["root"] * 3600
+        assert WINDOW + GRACE - 2 < idle_s < time.monotonic() - started + 1
 
         # an exemption in force: idle as long as it likes
         exempt = salloc(slurm_cluster, "exempt-notebook")

@@ -70,6 +70,7 @@ class JobRecord:
     project: str | None = None
     dataset: str | None = None
     code_commit: str | None = None
+    gpu_utilization: float | None = None  # the run's mean GPU utilization (percent, its gpu_efficiency)
 
     @property
     def gpu_hours(self) -> float:
@@ -139,13 +140,17 @@ def all_jobs(settings: LabSettings, since: dt.datetime, warn: Callable[[str], No
     return slurm + local
 
 
-def run_lineage(st: dict[str, Any], checkpoints_dir: Path | None) -> dict[str, str | None]:
+def run_lineage(st: dict[str, Any], checkpoints_dir: Path | None) -> dict[str, Any]:
     """A run record's (``st``: its run.json) name, template, project, dataset and code commit (the last
     two from its latest checkpoint's lineage, when it has one)."""
     conf = ((st.get("exp_conf") or {}).get("data") or {}).get("det_lab") or {}
     info: dict[str, str | None] = {"run": st.get("name"), "template": st.get("template"),
                                    "project": conf.get("project"), "dataset": conf.get("dataset"),
-                                   "code_commit": None}
+                                   "code_commit": None, "gpu_utilization": None}
+    gpus = [g.get("utilization_mean") for g in (st.get("gpu_efficiency") or {}).get("gpus") or []]
+    gpus = [u for u in gpus if isinstance(u, (int, float))]
+    if gpus:
+        info["gpu_utilization"] = sum(gpus) / len(gpus)
     latest = st.get("latest_checkpoint")
     if latest and checkpoints_dir is not None:
         try:
@@ -185,6 +190,7 @@ def join(jobs: list[JobRecord], runs: Iterable[tuple[dict[str, Any], Path | None
         if info:
             job.run, job.template, job.project = info["run"], info["template"], info["project"]
             job.dataset, job.code_commit = info["dataset"], info["code_commit"]
+            job.gpu_utilization = info["gpu_utilization"]
     return jobs
 
 

@@ -54,8 +54,14 @@ def usage(
 
     jobs = join(jobs, records())
     summary = summarize(jobs, by)
+    from det_lab.watchdog import idle_gpu_hours
+
+    idle = idle_gpu_hours(settings.data_root, start.date())  # what the watchdog saw held and idle
+    if by == "user":
+        summary = [{**r, "idle_gpu_hours": round(idle.get(r["user"], 0.0), 6)} for r in summary]
     if as_json:
         typer.echo(json.dumps({"since": start.isoformat(timespec="seconds"), "by": by, "summary": summary,
+                               "idle_gpu_hours": {u: round(h, 6) for u, h in sorted(idle.items())},
                                "jobs": [j.as_dict() for j in jobs]}))
         return
     if as_csv:
@@ -70,18 +76,20 @@ def usage(
         return
     from rich.table import Table
 
-    table = Table(by, "jobs", "GPU-hours", "hours", "det-lab runs", "outcomes",
-                  title=f"GPU use since {start:%Y-%m-%d %H:%M} by {by}", title_justify="left")
+    table = Table(by, "jobs", "GPU-hours", *(("idle GPU-hours",) if by == "user" else ()), "hours", "det-lab runs",
+                  "outcomes", title=f"GPU use since {start:%Y-%m-%d %H:%M} by {by}", title_justify="left")
     for r in summary:
         outcomes = ", ".join(f"{n} {s}" for s, n in sorted(r["outcomes"].items()))
-        table.add_row(str(r[by]), str(r["jobs"]), f"{r['gpu_hours']:.2f}", f"{r['elapsed_hours']:.2f}",
+        table.add_row(str(r[by]), str(r["jobs"]), f"{r['gpu_hours']:.2f}",
+                      *((f"{r['idle_gpu_hours']:.2f}",) if by == "user" else ()), f"{r['elapsed_hours']:.2f}",
                       str(r["runs"]), outcomes)
     console.print(table)
     runs = [j for j in jobs if j.run]
     if runs:
         detail = Table("job", "user", "project", "GPUs", "minutes", "state", "run", "template", "dataset", "commit",
-                       title="det-lab runs", title_justify="left")
+                       "GPU busy", title="det-lab runs", title_justify="left")
         for j in runs:
             detail.add_row(j.job_id, j.user, j.account, str(j.gpus), f"{j.elapsed_s / 60:.1f}", j.state.lower(),
-                           j.run or "", j.template or "", j.dataset or "", (j.code_commit or "")[:12])
+                           j.run or "", j.template or "", j.dataset or "", (j.code_commit or "")[:12],
+                           "-" if j.gpu_utilization is None else f"{j.gpu_utilization:.0f} %")
         console.print(detail)
