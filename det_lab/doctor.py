@@ -25,7 +25,7 @@ from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, human_bytes, is_initia
 Status = Literal["pass", "warn", "fail"]
 NETWORK_FS = {"nfs", "nfs4"}
 MIN_FREE_BYTES = 1 << 30
-QUOTA_WARN_FRACTION = 0.9
+QUOTA_WARN_FRACTION = 0.8
 
 #: the five ways a team sharing GPUs without a scheduler gets hurt:
 #: (the check that watches for it on this machine, what covers it once work goes through det_lab)
@@ -245,14 +245,24 @@ def _quota_checks(settings: LabSettings, layout: VolumeLayout) -> Iterator[Check
     for name, project in sorted(settings.projects.items()):
         used, quota = project_usage(layout, name), int(project.quota)
         detail = f"{human_bytes(used)} of {human_bytes(quota)} ({used / quota:.0%})"
+        if used >= QUOTA_WARN_FRACTION * quota:
+            detail += f"; largest: {_largest(settings, name)}"
         if used > quota:
             yield Check(f"quota {name}", "fail", f"over quota: {detail}",
                         f"delete data under {layout.outputs(name)} / {layout.project_checkpoints(name)} "
-                        f"or raise projects.{name}.quota in the lab config")
+                        f"or raise projects.{name}.quota in the lab config; see 'det-lab volume usage --by run'")
         elif used >= QUOTA_WARN_FRACTION * quota:
-            yield Check(f"quota {name}", "warn", detail, "nearly full: clean up before the next pull")
+            yield Check(f"quota {name}", "warn", detail, "nearly full: clean up before the next pull "
+                        "('det-lab runs prune', 'det-lab data gc'; 'det-lab volume usage --by run' shows who uses it)")
         else:
             yield Check(f"quota {name}", "pass", detail)
+
+
+def _largest(settings: LabSettings, project: str) -> str:
+    """The project's largest runs and kinds, in words (``run-3 12.0 GiB, checkpoints 40.1 GiB``)."""
+    from det_lab.trials.space import largest_consumers
+
+    return ", ".join(f"{name} {human_bytes(n)}" for name, n in largest_consumers(settings, project)) or "nothing"
 
 
 # --- tools ------------------------------------------------------------------------------------

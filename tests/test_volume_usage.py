@@ -137,3 +137,30 @@ def test_kept_checkpoint_figures_follow_changes(volume, monkeypatch, tmp_path):
         (ck / "c3" / "extra.bin").unlink()
     third = space.volume_space(settings, reclaimable=False, projects=["vla"])
     assert third.projects["vla"].kinds["checkpoints"] == first.projects["vla"].kinds["checkpoints"]
+
+
+def test_doctor_warns_at_80_percent_naming_the_largest_consumers(lab):
+    """A project at 85 % of its quota: a warning (not at 75 %), naming its largest run."""
+    lab.write_config(projects={"vla": {"quota": "1MiB"}})
+    lab.cli("init", check=True)
+    settings = load_settings(lab.config, env={})
+    layout = VolumeLayout(settings.data_root)
+    runs = layout.outputs("vla") / "local-runs"
+    for name, size in (("big-run", 600_000), ("small-run", 40_000)):
+        (runs / name).mkdir(parents=True)
+        (runs / name / "run.json").write_text(json.dumps({"name": name, "status": "finished", "kind": "local"}))
+        (runs / name / "blob.bin").write_bytes(os.urandom(size))
+    from det_lab.volume import project_usage
+
+    def quota_check() -> dict:
+        report = json.loads(lab.cli("doctor", "--json").stdout)
+        return {c["name"]: c for c in report["checks"]}["quota vla"]
+
+    pad = runs / "small-run" / "pad.bin"
+    pad.write_bytes(os.urandom(int(0.75 * 2**20) - project_usage(layout, "vla")))
+    assert quota_check()["status"] == "pass"
+    pad.write_bytes(os.urandom(len(pad.read_bytes()) + int(0.10 * 2**20)))
+    assert 0.8 < project_usage(layout, "vla") / 2**20 < 0.9
+    check = quota_check()
+    assert check["status"] == "warn" and "largest: vla/big-run" in check["detail"], check
+    assert "det-lab volume usage" in check["fix"]
