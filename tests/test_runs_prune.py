@@ -204,7 +204,7 @@ def test_a_deleted_run_is_tagged_in_mlflow_not_erased_and_a_down_tracker_gets_th
 
 
 def test_a_run_that_trains_is_never_deleted(prune_lab):
-    env = {**prune_lab.env, "TINY_HOLD_AFTER": "20"}
+    env = {**prune_lab.env, "TINY_HOLD_AFTER": "40"}  # parked after its first checkpoint
     proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--run", "t-live"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
