@@ -142,18 +142,31 @@ class _Walk:
         total = st.st_blocks * 512
         cells[(run, st.st_uid)] += total
         stack = [(str(top), run)]
-        seen = self.seen
+        seen, known, kept = self.seen, self.known, self.kept
         while stack:
             current, label = stack.pop()
             try:
                 it = os.scandir(current)
             except OSError:
                 continue
+            known_here = known.get(current) if units else None
+            known_here = known_here if isinstance(known_here, dict) else {}
             with it:
                 for entry in it:
                     is_dir = entry.is_dir(follow_symlinks=False)
                     if is_dir and units and entry.path in labels:
-                        total += self._checkpoint(entry, labels[entry.path], cells)
+                        hit = known_here.get(entry.name)
+                        if hit is not None and len(hit) == 5:  # the common checkpoint: one directory, one owner
+                            try:
+                                st = entry.stat(follow_symlinks=False)
+                            except OSError:
+                                continue
+                            if st.st_ino == hit[0] and st.st_mtime_ns == hit[1] and st.st_ctime_ns == hit[2]:
+                                cells[(labels[entry.path], hit[4])] += hit[3]
+                                total += hit[3]
+                                kept.setdefault(current, {})[entry.name] = hit
+                                continue
+                        total += self._checkpoint(entry, labels[entry.path], cells, current)
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -175,16 +188,17 @@ class _Walk:
                     total += n
         return total
 
-    def _checkpoint(self, dir_entry: os.DirEntry, run: str, cells: dict[tuple[str, int], int]) -> int:
+    def _checkpoint(self, dir_entry: os.DirEntry, run: str, cells: dict[tuple[str, int], int], parent: str) -> int:
         path = dir_entry.path
         try:
             st = dir_entry.stat(follow_symlinks=False)
         except OSError:
             return 0
-        hit = self.known.get(path)
+        here = self.known.get(parent)
+        hit = here.get(dir_entry.name) if isinstance(here, dict) else None
         if isinstance(hit, list) and len(hit) == 3 and self._unchanged(hit[0], st):
             try:
-                return self._add(hit, run, cells, path)
+                return self._add(hit, run, cells, parent, dir_entry.name)
             except (TypeError, ValueError):
                 pass
         entry = self._measure(path, st)
@@ -195,7 +209,7 @@ class _Walk:
                 cells[k] += v
             return n
         self.changed = True
-        return self._add(entry, run, cells, path)
+        return self._add(entry, run, cells, parent, dir_entry.name)
 
     def _unchanged(self, dirs: list, top: os.stat_result) -> bool:
         for i, (d, ino, mtime, ctime) in enumerate(dirs):
@@ -207,7 +221,11 @@ class _Walk:
                 return False
         return True
 
-    def _add(self, entry: list, run: str, cells: dict[tuple[str, int], int], path: str) -> int:
+    def _add(self, entry: list, run: str, cells: dict[tuple[str, int], int], parent: str, name: str) -> int:
+        if len(entry) == 5:
+            cells[(run, int(entry[4]))] += int(entry[3])
+            self.kept.setdefault(parent, {})[name] = entry
+            return int(entry[3])
         dirs, by_uid, linked = entry
         total = 0
         for uid, n in by_uid:
@@ -220,7 +238,7 @@ class _Walk:
             self.seen.add(key)
             cells[(run, int(uid))] += int(n)
             total += int(n)
-        self.kept[path] = entry
+        self.kept.setdefault(parent, {})[name] = entry
         return total
 
     def _measure(self, path: str, st: os.stat_result) -> list | None:
@@ -252,10 +270,14 @@ class _Walk:
                 return None
         if not complete or newest > self.now - SETTLED_S:
             return None
+        if len(dirs) == 1 and len(by_uid) == 1 and not linked:  # compact: [ino, mtime, ctime, bytes, uid]
+            (uid, n), = by_uid.items()
+            return [dirs[0][1], dirs[0][2], dirs[0][3], n, uid]
         return [dirs, [[u, n] for u, n in by_uid.items()], linked]
 
     def save(self) -> None:
-        if not self.changed and len(self.kept) == len(self.known):
+        if not self.changed and sum(map(len, self.kept.values())) == sum(
+                len(v) for v in self.known.values() if isinstance(v, dict)):
             return
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
