@@ -36,7 +36,9 @@ def wheel(tmp_path_factory) -> Path:
             (src / rel).write_bytes(path.read_bytes())
             (src / rel).chmod(path.stat().st_mode)
     out = tmp_path_factory.mktemp("dist")
-    _sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", out, src)
+    build = _sh(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v", "-w", out, src)
+    # a newcomer's `pip install -e .` printed this for every template folder, sixty lines in all
+    assert "absent from the `packages` configuration" not in build.stdout + build.stderr
     return next(out.glob("det_lab-*.whl"))
 
 
