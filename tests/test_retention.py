@@ -85,7 +85,7 @@ def test_each_key_keeps_what_determined_would(tmp_path, storage, smaller, expect
     outcome = retention.enforce(run, root)
     assert kept_steps(run, root) == expected
     assert sorted(d["step"] for d in outcome.deleted) == sorted(set(LOSSES) - set(expected))
-    assert all(d["reason"].startswith("retention (save_experiment_best") for d in run.state()[retention.DELETED_KEY])
+    assert all(d["reason"].startswith("retention: outside save_trial_best") for d in run.state()[retention.DELETED_KEY])
     # a second pass changes nothing
     assert retention.enforce(run, root).deleted == [] and kept_steps(run, root) == expected
 

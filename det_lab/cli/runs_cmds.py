@@ -211,7 +211,7 @@ def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's nam
     from det_lab.trials.retention import explain
 
     for row in explain(run):  # what retention kept and why, what it deleted
-        table.add_row(f"  step {row['step']}", f"{row['state']}: {row['why']} ({row['uuid']})")
+        table.add_row(f"  step {row['step']}", f"{row['state']}: {row['why']}; {row['uuid']}")
     slurm = st.get("slurm") or {}
     if slurm:
         table.add_row("slurm job", f"{slurm.get('job_id')} in partition {slurm.get('partition')}, "

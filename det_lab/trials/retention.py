@@ -83,8 +83,9 @@ class RetentionPolicy:
                    metric, smaller)
 
     def describe(self) -> str:
-        return (f"save_experiment_best {self.experiment_best}, save_trial_best {self.trial_best}, "
-                f"save_trial_latest {self.trial_latest}")
+        """Why a checkpoint went, in words: the keys it fell outside of."""
+        keys = f"save_trial_best {self.trial_best}, save_trial_latest {self.trial_latest}"
+        return keys + (f", save_experiment_best {self.experiment_best}" if self.experiment_best else "")
 
 
 @dataclass(frozen=True)
@@ -312,7 +313,7 @@ def enforce(record: Any, root: Path, *, siblings: Iterable[Any] = (), others: It
         elif v.deleted:  # its files are not where the run writes checkpoints: not ours to judge
             outcome.problems.append(f"checkpoint {v.uuid} is not under {root}; left in the record")
     if doomed:
-        why = f"retention ({policy.describe()})"
+        why = f"retention: outside {policy.describe()}"
         done = delete_marked(record, root, why, only=doomed)
         outcome.deleted += done.deleted
         outcome.problems += done.problems
@@ -366,5 +367,5 @@ def explain(record: Any, others: Iterable[Any] = ()) -> list[dict[str, Any]]:
         rows.append({"uuid": uuid, "step": step, "state": "kept", "why": why})
     for gone in state.get(DELETED_KEY) or []:
         rows.append({"uuid": gone.get("uuid"), "step": gone.get("step"), "state": "deleted",
-                     "why": f"{gone.get('reason', '')} at {gone.get('deleted', '?')}"})
+                     "why": f"{gone.get('reason', '')} ({gone.get('deleted', '?')})"})
     return sorted(rows, key=lambda r: (int(r["step"] or 0), r["state"]))
