@@ -61,11 +61,13 @@ def run(
         how = f"resuming {st['name']} from checkpoint {st['latest_checkpoint']}" if resume else f"run {st['name']}"
         console.print(f"{how}\n  hyperparameters: {json.dumps(st['hparams'])}\n  log: {run_.log_file}", highlight=False)
         try:
-            env = claim.wait(on_wait=lambda why: console.print(f"  waiting for GPUs: {why}", highlight=False),
-                             mark=lambda status: run_.update(status=status))
+            env = claim.wait(run_, on_wait=lambda why: console.print(f"  waiting for GPUs: {why}", highlight=False))
         except KeyboardInterrupt:
-            run_.record_end(status="cancelled")
+            run_.record_end(status="cancelled", waiting_for_gpus=None)
             fail(f"run {st['name']} cancelled while it waited for GPUs", 1)
+        except GpusError as exc:
+            run_.record_end(status="cancelled", waiting_for_gpus=None)
+            fail(str(exc))
         if claim.gpus_words():
             console.print(f"  GPUs: {claim.gpus_words()}", highlight=False)
         proc = local.launch(run_, cwd, command, settings, extra_env=env)

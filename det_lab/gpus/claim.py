@@ -24,6 +24,7 @@ from det_lab.gpus.holders import ProcessId, user_name
 from det_lab.gpus.leases import HEARTBEAT_S, Held, HostBook, host_name, shared_dir, write_json
 from det_lab.gpus.queue import GpusError, Rules, lab_rules, plan
 from det_lab.settings import LabSettings
+from det_lab.trials.record import WAIT_KEY, LocalRunRecord
 
 #: set in a Slurm job's and a Determined task's environment: their GPUs are given, not leased here
 SCHEDULED_ENV = ("SLURM_JOB_ID", "DET_TASK_ID")
@@ -145,16 +146,16 @@ class LocalClaim:
             return None
 
     # -- once the run exists -----------------------------------------------------------------
-    def wait(self, on_wait: Callable[[str], None] | None = None, mark: Callable[[str], None] | None = None) -> dict[str, str]:
-        """Wait in line when the GPUs were not free (``mark("waiting")`` first, so the run lists as
-        waiting; SIGTERM from ``det-lab runs cancel`` ends the wait with KeyboardInterrupt); then the
-        trial's environment: ``CUDA_VISIBLE_DEVICES`` of the lease."""
+    def wait(self, run: LocalRunRecord, on_wait: Callable[[str], None] | None = None) -> dict[str, str]:
+        """Wait in line when the GPUs were not free (``run`` marked ``waiting`` meanwhile, with the
+        waiting process in ``WAIT_KEY``, so it lists as waiting and nothing deletes it; SIGTERM from
+        ``det-lab runs cancel`` ends the wait with KeyboardInterrupt); then the trial's environment:
+        ``CUDA_VISIBLE_DEVICES`` of the lease."""
         entry = self.pending
         if entry is not None:
             with self.book.lock():
                 write_json(shared_dir(self.book.queue_dir) / f"{entry['entry']}.json", entry)
-            if mark:
-                mark("waiting")
+            run.update(status="waiting", **{WAIT_KEY: {"host": host_name(), "pid": os.getpid()}})
             old = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
             said = None
             try:
@@ -173,8 +174,7 @@ class LocalClaim:
                 for s, h in old.items():
                     signal.signal(s, h)
             self.pending = None
-            if mark:
-                mark("created")  # the trial says "running" once it trains
+            run.update(status="created", **{WAIT_KEY: None})  # the trial says "running" once it trains
         if self.held is None:
             return dict(self.cpu_env)
         threading.Thread(target=self._heartbeat, name="det-lab-gpu-lease", daemon=True).start()

@@ -43,6 +43,8 @@ WORK_DIR = "work"
 REPRODUCES_KEY = "reproduces"
 #: run.json key of the progress an ended run reached (:meth:`RunRecord.record_end`)
 PROGRESS_KEY = "progress"
+#: run.json key of a local run waiting in line for GPUs: the host and pid of its ``det-lab run``
+WAIT_KEY = "waiting_for_gpus"
 
 
 #: how append_metrics starts its lines (json.dumps of {"group", "step", "metrics"}, in that order)
@@ -288,9 +290,20 @@ class LocalRunRecord(RunRecord):
         return layout.outputs(project) / cls.runs_dirname
 
     def scheduled(self, state: dict[str, Any]) -> str | None:
-        """Why a scheduler will still start or is running this run's trial (a queued job), in
-        words; None when none will. A local run's trainer lock says the rest (run_guard)."""
-        return None
+        """Why a scheduler will still start or is running this run's trial (a queued job, a local
+        run in line for GPUs), in words; None when none will. A local run's trainer lock says the
+        rest (run_guard)."""
+        wait = state.get(WAIT_KEY) if state.get("status") == "waiting" else None
+        if not isinstance(wait, dict):
+            return None
+        import socket
+
+        from det_lab.data.lock import pid_alive
+
+        pid = int(wait.get("pid") or 0)
+        if wait.get("host") == socket.gethostname().split(".")[0] and (pid <= 0 or not pid_alive(pid)):
+            return None  # its det-lab run is gone: it will never start
+        return f"it waits for GPUs as pid {wait.get('pid')} on host {wait.get('host')}"
 
     def tracker_tags(self) -> dict[str, str]:
         tags = {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
