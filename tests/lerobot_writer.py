@@ -50,8 +50,15 @@ def import_lerobot_dataset() -> Any:
 
 
 def v21_library(config: pytest.Config) -> Path:
-    """A directory holding LeRobot 0.3.3 and its ``datasets`` (installed once into pytest's cache)."""
-    lib = Path(config.cache.mkdir("-".join(LEROBOT_V21).replace("==", "-")))
+    """A directory holding LeRobot 0.3.3 and its ``datasets``, installed once into pytest's cache or,
+    where that is off (``-p no:cacheprovider``, a read-only checkout), the user's cache directory."""
+    name = "-".join(LEROBOT_V21).replace("==", "-")
+    cache = getattr(config, "cache", None)
+    if cache is not None:
+        lib = Path(cache.mkdir(name))
+    else:
+        lib = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab-tests" / name
+        lib.mkdir(parents=True, exist_ok=True)
     if not (lib / "datasets").is_dir():
         pip = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(lib),
                               *LEROBOT_V21], capture_output=True, text=True, timeout=300)
