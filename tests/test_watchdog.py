@@ -324,7 +324,7 @@ def test_idle_det_lab_run_checkpointed_stopped_and_resumed_to_the_same_losses(nv
     assert state["status"] == "stopped" and 40 <= state["latest_checkpoint_step"] < 80  # a preemption checkpoint
     assert events(journal(lab), "run:parked") == ["warned", "acted"]
     shown = lab.cli("runs", "show", "parked", check=True).stdout
-    assert "stopped by the watchdog" in shown and "idle GPU (resumable)" in shown
+    assert re.search(r"watchdog +│ idle GPU: stopped by the watchdog \d{4}-\d\d-\d\d \d\d:\d\d, resumable", shown), shown
 
     resumed = lab.cli("run", str(TINY), "--local", "--resume", "--run", "parked")
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -92,7 +92,5 @@ def notice_line(run_dir: Path) -> str | None:
     if n.get("event") == "warned":
         return f"idle GPU: warned {str(n.get('time', ''))[11:16]}, stops at {str(n.get('deadline_time', ''))[11:16]}"
     if n.get("event") == "acted":
-        return f"stopped by the watchdog {str(n.get('time', ''))[:16].replace('T', ' ')}: idle GPU (resumable)"
-    if n.get("event") == "cleared":
-        return None
-    return None
+        return f"idle GPU: stopped by the watchdog {str(n.get('time', ''))[:16].replace('T', ' ')}, resumable"
+    return None  # cleared: it uses its GPU again
