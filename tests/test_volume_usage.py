@@ -7,6 +7,7 @@ import json
 import os
 import pwd
 import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -164,3 +165,23 @@ def test_doctor_warns_at_80_percent_naming_the_largest_consumers(lab):
     check = quota_check()
     assert check["status"] == "warn" and "largest: vla/big-run" in check["detail"], check
     assert "det-lab volume usage" in check["fix"]
+
+
+def test_exporter_reports_bytes_per_user_and_what_cleaning_frees(volume, other_user):
+    from det_lab.monitoring.volume import VolumeSource
+
+    lab, settings, layout = volume
+    ck, runs = layout.project_checkpoints("vla"), layout.outputs("vla") / "local-runs"
+    old = time.time() - 40 * 86400
+    os.utime(runs / "r1" / "run.json", (old, old))  # r1: unchanged for 40 days, not training
+    try:
+        families = {f.name: f for f in VolumeSource(settings).collect()}
+    finally:
+        os.utime(runs / "r1" / "run.json")
+    users = {s.labels["user"]: s.value for s in families["det_lab_volume_user_bytes"].samples}
+    assert users[other_user.pw_name] == (runs / "r2" / "theirs.bin").stat().st_blocks * 512
+    freed = {(s.labels["project"], s.labels["by"]): s.value for s in families["det_lab_volume_reclaimable_bytes"].samples}
+    assert freed[("vla", "runs_prune")] == sum(du(ck / "c1", ck / "c2", runs / "r1"))
+    assert freed[("isaac", "runs_prune")] == 0
+    planned = json.loads(lab.cli("data", "gc", "--days", "30", "--json", check=True).stdout)
+    assert freed[("vla", "data_gc")] == next(p["freed_bytes"] for p in planned["projects"] if p["project"] == "vla")

@@ -6,7 +6,9 @@ hard-linked from the shared DVC cache into a snapshot counts in ``dvc-cache``, w
 seen. A walk of a volume with thousands of runs takes seconds, so this source is refreshed at
 most every ``ttl`` seconds (five minutes by default) and every scrape in between answers from
 that sample; ``det_lab_volume_sample_time_seconds`` says when it was taken. Free space (one statvfs)
-is read with it.
+is read with it, and so are the bytes each user owns and what ``data gc --days 30`` and ``runs prune
+--older-than 30d`` would free per project (:mod:`det_lab.trials.space`, whose walk keeps the
+figures of complete checkpoints, so a refresh stats one directory per checkpoint).
 """
 
 from __future__ import annotations
@@ -21,7 +23,12 @@ from prometheus_client.core import Metric
 from det_lab.data.integrity import SNAPSHOT_MARKER
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.settings import LabSettings
+from det_lab.trials.space import volume_space
 from det_lab.volume import VolumeLayout, disk_usage
+
+#: what the reclaimable figures assume: ``data gc --days 30``, ``runs prune --older-than 30d``
+RECLAIM_DAYS = 30.0
+RECLAIMERS = ("data gc", "runs prune")
 
 #: the areas of a project, in the order a hard-linked file is attributed (cache before snapshots)
 AREAS = ("dvc-cache", "snapshots", "datasets", "checkpoints", "outputs")
@@ -60,5 +67,17 @@ class VolumeSource(VolumeReader):
             snaps = self.layout.snapshots(project)
             count = sum(1 for _ in snaps.glob(f"*/{SNAPSHOT_MARKER}")) if snaps.is_dir() else 0
             out.add("volume_snapshots", "published dataset snapshots of each project", {"project": project}, count)
+        self._space(out)
         out.add("volume_sample_time_seconds", "when these figures were taken (Unix time)", {}, time.time())
         return list(out)
+
+    def _space(self, out: Families) -> None:
+        """Bytes per user and what ``data gc`` and ``runs prune`` would free per project, from
+        :func:`det_lab.trials.space.volume_space` (its walk keeps complete checkpoints' figures)."""
+        report = volume_space(self.settings, days=RECLAIM_DAYS)
+        for user, n in report.by("user"):
+            out.add("volume_user_bytes", "bytes on the volume each user owns (hard links once)", {"user": user}, n)
+        for project, ps in sorted(report.projects.items()):
+            for by in RECLAIMERS:
+                out.add("volume_reclaimable_bytes", "bytes each clean-up would free per project",
+                        {"project": project, "by": by.replace(" ", "_")}, ps.reclaimable.get(by, 0))
