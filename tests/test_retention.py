@@ -285,3 +285,12 @@ def test_a_run_stopped_after_retention_resumes_from_its_resume_point_to_the_same
         got = _metrics(run_dir, group, key)
         assert sorted(got) == sorted(expected)
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+
+
+def test_a_bad_key_refuses_the_run_in_one_line_before_anything_exists(tiny_lab):
+    runs = tiny_lab.root / "outputs" / "vla" / "local-runs"
+    before = sorted(runs.iterdir()) if runs.is_dir() else []
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--set", "checkpoint_storage.save_trial_latest=-1")
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: ") and "checkpoint_storage.save_trial_latest: -1 is not a whole number" in proc.stderr
+    assert (sorted(runs.iterdir()) if runs.is_dir() else []) == before

@@ -287,6 +287,12 @@ def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreflightError(f"{source}: {problems[0]}{more}")
+    from det_lab.trials.retention import RetentionConfigError, RetentionPolicy
+
+    try:  # checkpoint_storage's save_* keys: the schema's "integer, minimum 0", checked before anything runs
+        RetentionPolicy.of(exp_conf)
+    except RetentionConfigError as exc:
+        raise PreflightError(f"{source}: {exc}") from None
     return lab
 
 
