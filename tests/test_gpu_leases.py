@@ -229,8 +229,8 @@ def test_no_gpus_zero_slots_and_scheduled_tasks_take_no_lease(machine):
 
 
 def test_bad_input_is_one_line_and_starts_nothing(machine):
-    """``--gpus 7`` on a 2-GPU machine, a malformed ``--gpus``, a negative or too large slot count:
-    one error line each, no run directory, no lease."""
+    """``--gpus 7`` on a 2-GPU machine, a malformed ``--gpus``, a negative or too large slot count, a
+    failing driver: one error line each, no run directory, no lease."""
     cases = [(("--gpus", "7"), "no GPU 7"), (("--gpus", "0,x"), "--gpus 0,x"),
              (("--set", "resources.slots_per_trial=-1"), "slots_per_trial"),
              (("--set", "resources.slots_per_trial=3"), "this machine has 2 GPU(s)")]
@@ -239,8 +239,12 @@ def test_bad_input_is_one_line_and_starts_nothing(machine):
         assert out.returncode != 0, args
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error:") and words in lines[0], (args, out.stderr)
-    assert not list((machine.data / "outputs/vla/local-runs").glob("*")) if \
-        (machine.data / "outputs/vla/local-runs").exists() else True
+    machine.set_gpus("init_error 18\n" + gpu_lines(2))  # a driver upgraded without a reboot: not a CPU machine
+    out = finish(machine.run())
+    assert out.returncode != 0 and out.stderr.count("\n") == 1 and "error: NVML cannot read this machine's GPUs" \
+        in out.stderr, out.stderr
+    runs = machine.data / "outputs/vla/local-runs"
+    assert not runs.exists() or not list(runs.iterdir())
     assert machine.leases() == {}
 
 

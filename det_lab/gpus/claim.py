@@ -80,11 +80,7 @@ class LocalClaim:
                 raise GpusError(f"--gpus: this run is inside a scheduled task ({scheduled} is set) and uses the GPUs it was given")
             return
         self.slots = len(self.picks) if self.picks is not None else wanted_slots(conf)
-        try:
-            self.readings = nvml.read_gpus()
-        except Exception as exc:  # pynvml.NVMLError: a broken driver is not a machine without GPUs
-            raise GpusError(f"NVML cannot read this machine's GPUs ({exc}); fix the driver, or train on the CPU with "
-                            f"--set resources.slots_per_trial=0") from None
+        self.readings = _read_gpus()
         if not self.readings:
             if self.picks is not None:
                 raise GpusError(f"--gpus {','.join(map(str, self.picks))}: this machine has no GPU that NVML sees")
@@ -107,6 +103,10 @@ class LocalClaim:
             raise GpusError(f"{user} may hold at most {limit} GPU(s) at once (accounting in {self.rules.source}); "
                             f"ask for fewer (--set resources.slots_per_trial={limit})")
         lab = ((conf.get("data") or {}).get("det_lab") or {})
+        plimit = self.rules.project_limits.get(str(lab.get("project") or ""))
+        if plimit is not None and self.slots > plimit:
+            raise GpusError(f"project {lab.get('project')} may hold at most {plimit} GPU(s) at once (accounting in "
+                            f"{self.rules.source}); ask for fewer (--set resources.slots_per_trial={plimit})")
         entry = {"entry": os.urandom(6).hex(), "user": user, "run": run, "project": str(lab.get("project") or ""),
                  "template": template, "slots": self.slots, "picks": self.picks,
                  "holder": ProcessId.me().as_dict(), "enqueued": time.time(), "words": ""}
@@ -122,7 +122,7 @@ class LocalClaim:
         """Take the GPUs for ``entry`` if the queue's plan starts it now (None), else why it waits."""
         with self.book.lock():
             live = self.book.reap(self.settings)
-            readings = nvml.read_gpus()
+            readings = _read_gpus()
             queue = [h.data for h in self.book.queue() if h.data["entry"] != entry["entry"]] + [entry]
             now = time.time()
             usage = journal.recent_gpu_hours(journal.read_records(self.settings), now, self.rules.half_life_s)
@@ -207,6 +207,14 @@ class LocalClaim:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.release()
+
+
+def _read_gpus() -> list[nvml.GpuReading]:
+    try:
+        return nvml.read_gpus()
+    except Exception as exc:  # pynvml.NVMLError (its subclasses are made at import): a broken driver is not a CPU machine
+        raise GpusError(f"NVML cannot read this machine's GPUs ({exc}); fix the driver, or train on the CPU with "
+                        f"--set resources.slots_per_trial=0") from None
 
 
 def _interrupt(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
