@@ -91,7 +91,7 @@ def test_each_key_keeps_what_determined_would(tmp_path, storage, smaller, expect
 
 
 def test_reasons_name_the_rule_and_the_metric(tmp_path):
-    run, root = make_run(tmp_path, "r", [10, 20, 30, 40, 50], LOSSES, {"save_trial_best": 2})
+    run, _ = make_run(tmp_path, "r", [10, 20, 30, 40, 50], LOSSES, {"save_trial_best": 2})
     verdicts = {v.step: v.keep for v in retention.plan(run)}
     assert verdicts == {10: (), 20: ("best (val_loss 0.2)",), 30: (), 40: ("best #2 (val_loss 0.2)",),
                         50: ("resume point", "latest")}

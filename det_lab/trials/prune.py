@@ -335,13 +335,17 @@ def execute(settings: LabSettings, plan: Plan, progress: Callable[[str], None] |
         if not state.get(DELETING_KEY):
             run.update(**{DELETING_KEY: {"since": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
                                          "by": getpass.getuser()}})
-        trackers = _tag(run, p, settings)
-        for ckpt in p.checkpoints:
-            retention.remove_checkpoint(ckpt)
-        hidden = p.dir.parent / f".{p.dir.name}.deleting"
-        if hidden.exists():  # the same name deleted before, killed mid-way
+        try:
+            trackers = _tag(run, p, settings)
+            for ckpt in p.checkpoints:
+                retention.remove_checkpoint(ckpt)
+            hidden = p.dir.parent / f".{p.dir.name}.deleting"
+            if hidden.exists():  # the same name deleted before, killed mid-way
+                shutil.rmtree(hidden)
+            os.rename(p.dir, hidden)
             shutil.rmtree(hidden)
-        os.rename(p.dir, hidden)
-        shutil.rmtree(hidden)
+        except OSError as exc:  # e.g. a file made read-only since the plan: the run stays marked
+            raise PruneError(f"run {p.name}: {exc.strerror or exc} ({exc.filename}); it is marked deleting: "
+                             "fix that, then run det-lab runs prune --status deleting --yes") from None
         done.append(Deleted(p.name, p.bytes, len(p.checkpoints), trackers))
     return done

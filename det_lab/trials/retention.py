@@ -28,6 +28,7 @@ files already gone are no error (Determined's ``shared_fs`` delete returns on a 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 import os
 import re
@@ -273,6 +274,26 @@ def used_elsewhere(records: Iterable[Any], own_dir: Path, uuids: set[str]) -> di
     return out
 
 
+def validations(record: Any) -> list[dict[str, Any]]:
+    """The validation records of ``record``'s metrics, in the order written (training lines, most
+    of a long run's file, are not parsed); a line still being written is left out."""
+    try:
+        data = record.metrics_file.read_bytes()
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in data[:data.rfind(b"\n") + 1].splitlines():
+        if b'"validation"' not in line[:40]:
+            continue
+        try:
+            m = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(m, dict) and m.get("group") == "validation" and isinstance(m.get("step"), int):
+            out.append(m)
+    return out
+
+
 def plan(record: Any, policy: RetentionPolicy | None = None, *, siblings: Iterable[Any] = (),
          others: Iterable[Any] = ()) -> list[Verdict]:
     """The verdict on each complete checkpoint of ``record`` (nothing is deleted).
@@ -281,11 +302,11 @@ def plan(record: Any, policy: RetentionPolicy | None = None, *, siblings: Iterab
     of the project, whose listed checkpoints are kept."""
     state = record.state()
     policy = policy or RetentionPolicy.of(state.get("exp_conf") or {})
-    mine = candidates(state, record.metrics(), policy.metric, state.get("name", ""))
+    mine = candidates(state, validations(record), policy.metric, state.get("name", ""))
     experiment = []
     for sib in siblings:
         try:
-            experiment += candidates(sib.state(), sib.metrics(), policy.metric, sib.dir.name)
+            experiment += candidates(sib.state(), validations(sib), policy.metric, sib.dir.name)
         except (OSError, ValueError):
             continue
     resume = state.get("latest_checkpoint")
