@@ -161,6 +161,8 @@ def plan(readings: list[GpuReading], live: list[Held], entries: list[dict[str, A
             ahead += 1
             continue
         starts[e["entry"]] = got
+        ahead += 1
+        holders.update({i: f"{user} {e['run']} (starting)" for i in got})
         free = [i for i in free if i not in got]
         held_user[user] = held_user.get(user, 0) + slots
         held_project[project] = held_project.get(project, 0) + slots
