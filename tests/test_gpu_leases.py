@@ -255,16 +255,26 @@ def _held(machine: Machine, run: subprocess.Popen, index: int):
     return check
 
 
-def test_a_holder_killed_with_9_frees_its_gpu_at_once(machine):
+def test_a_holder_killed_with_9_frees_its_gpu_at_once(machine, monkeypatch):
     """``det-lab run`` killed with -9 while its trial trains: its GPU is free for the very next run
-    while the holder is still an unreaped zombie (no waiting for a timeout), and the journal ends its lease."""
+    while the holder is still an unreaped zombie (no waiting for a timeout), and the journal ends its
+    lease. ``active_leases`` (what the watchdog reads) names the lease while it is held, not after."""
+    from det_lab.gpus import active_leases
+    from det_lab.settings import load_settings
+
+    monkeypatch.setenv("DET_LAB_GPU_STATE_DIR", str(machine.state))
+    settings = load_settings(machine.config, env={})
     run = machine.run("--gpus", "1", TRIAL_SECONDS="120")
     holder = machine.wait_for(_held(machine, run, 1))
+    (lease,) = active_leases(settings)
+    assert (lease.gpu_index, lease.gpu_uuid, lease.user, lease.run, lease.pid, lease.since, lease.checked) == \
+        (1, UUIDS[1], "root", holder["run"], run.pid, holder["since"], True)
     run.send_signal(signal.SIGKILL)
     stat = Path(f"/proc/{run.pid}/stat")
     while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z":  # a zombie until this test reaps it
         time.sleep(0.05)
     assert machine.status()["gpus"][1]["holder"] is None
+    assert active_leases(settings) == []
     run.wait()
     after = finish(machine.run("--gpus", "1"))
     assert after.returncode == 0, after.stderr
