@@ -42,6 +42,8 @@ def run(
         if resume or run_name:
             fail("a Slurm run resumes by resubmitting its job script: sbatch <run directory>/job.sbatch "
                  "(det-lab runs show NAME prints it)")
+        if gpus is not None or queue:
+            fail("--gpus and --queue are for --local runs; Slurm chooses a job's GPUs and queues it itself")
         return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
