@@ -79,6 +79,14 @@ def test_efficiency_summary_is_what_the_gpu_reported(gpu_lab):
     assert "GPU 0 (NVIDIA A100-SXM4-80GB): utilization 7.0 %, memory peak 9.0 of 80.0 GB, power 123 W" in shown
     assert "the data loader may be the bottleneck (num_workers=0)" in shown
 
+    # the exporter's runs source: the same figures, per run and GPU
+    from det_lab.monitoring.runs import RunsSource
+
+    found = {(s.name, s.labels.get("run"), s.labels.get("gpu")): s.value
+             for fam in RunsSource(load_settings(lab.config, env={})).collect() for s in fam.samples}
+    assert found[("det_lab_run_gpu_utilization_ratio", "eff", "0")] == pytest.approx(0.07)
+    assert found[("det_lab_run_gpu_memory_peak_bytes", "eff", "0")] == 9_000_000_000
+
 
 def test_a_failing_driver_ends_sampling_not_the_trial(gpu_lab):
     """NVML answering "unknown error" mid-run: the trial trains to its end, the summary keeps what was

@@ -26,7 +26,7 @@ from prometheus_client.core import Metric
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.settings import LabSettings
 from det_lab.trials import record as records
-from det_lab.trials.listing import read_signed, shown_state, stat_signature, user_name
+from det_lab.trials.listing import read_signed, stat_signature, user_name
 from det_lab.trials.record import METRICS_FILE, RUN_FILE
 from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout
@@ -51,6 +51,21 @@ class _Seen:
     template: str
     status: str  # run.json's; "damaged" or "unreadable" when it cannot be read
     user: str
+    gpus: tuple[tuple[str, float | None, int], ...] = ()  # (index, mean utilization %, peak bytes) of gpu_efficiency
+
+
+def _efficiency(state: dict) -> tuple[tuple[str, float | None, int], ...]:
+    """``(gpu index, mean utilization %, peak memory bytes)`` of a run.json's ``gpu_efficiency``."""
+    eff = state.get("gpu_efficiency")
+    gpus = eff.get("gpus") if isinstance(eff, dict) else None
+    out = []
+    for g in gpus if isinstance(gpus, list) else []:
+        try:
+            util = g.get("utilization_mean")
+            out.append((str(g["index"]), float(util) if util is not None else None, int(g["memory_peak_bytes"])))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return tuple(out)
 
 
 class RunsSource(VolumeReader):
@@ -79,9 +94,9 @@ class RunsSource(VolumeReader):
             return None
         data, signature = read
         try:
-            state = shown_state(data, path)
+            state = records.parse_run_file(data, path)  # whole: its gpu_efficiency too
             seen = _Seen(signature, str(state.get("template") or ""), str(state.get("status") or ""),
-                         str(state.get("user") or user_name(signature[3], self._users)))
+                         str(state.get("user") or user_name(signature[3], self._users)), _efficiency(state))
         except ValueError:
             seen = _Seen(signature, "", "damaged", user_name(signature[3], self._users))
         self._seen[path] = seen
@@ -97,6 +112,8 @@ class RunsSource(VolumeReader):
         out.gauge("run_last_metric_age_seconds", "seconds since each running run last reported a metric", labels)
         out.gauge("run_died_seconds", "each local run whose trainer and det-lab run vanished without recording an "
                   "end: seconds since its last metric", labels)
+        out.gauge("run_gpu_utilization_ratio", "", [*labels, "gpu"])
+        out.gauge("run_gpu_memory_peak_bytes", "", [*labels, "gpu"])
         for project in sorted(self.settings.projects):
             for kind, directory in run_files(self.layout, project):
                 key = os.path.join(directory, RUN_FILE)
@@ -109,6 +126,12 @@ class RunsSource(VolumeReader):
                     status = training_status({"status": status}, directory)
                 status = status or "created"
                 counts[(project, kind, seen.template, status)] += 1
+                run_labels = {"project": project, "run": directory.name, "kind": kind, "template": seen.template,
+                              "user": seen.user}
+                for gpu, util, peak in seen.gpus:
+                    if util is not None:
+                        out.add("run_gpu_utilization_ratio", "", {**run_labels, "gpu": gpu}, util / 100.0)
+                    out.add("run_gpu_memory_peak_bytes", "", {**run_labels, "gpu": gpu}, peak)
                 if status in LIVE or status == DIED:
                     try:
                         last = (directory / METRICS_FILE).stat().st_mtime

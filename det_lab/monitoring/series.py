@@ -75,6 +75,10 @@ SERIES: tuple[Series, ...] = (
            "seconds"),
     Series("runs", "run_died_seconds", "each local run whose trainer and det-lab run vanished without recording an "
            "end: seconds since its last metric", _RUN, "seconds"),
+    Series("runs", "run_gpu_utilization_ratio", "each run's mean GPU utilization, per GPU, from its efficiency "
+           "summary (run.json gpu_efficiency, written when the trial ends)", (*_RUN, "gpu"), "ratio"),
+    Series("runs", "run_gpu_memory_peak_bytes", "each run's peak GPU memory, per GPU, from its efficiency summary",
+           (*_RUN, "gpu"), "bytes"),
     Series("trackers", "tracker_undelivered_events", "events journaled and not yet delivered, per run and backend",
            ("project", "run", "backend"), "events"),
     Series("trackers", "tracker_oldest_undelivered_seconds", "age of each run's oldest undelivered event, per "
