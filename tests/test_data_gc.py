@@ -195,6 +195,12 @@ def test_a_run_lineage_keeps_its_revision_and_a_running_trial_keeps_its_snapshot
     lab.cli("data", "gc", "--days", "7", "--yes", check=True)
     assert md5(A_OLD) not in objects(cache) and v1.md5 not in objects(cache)
     spec = DatasetSpec("vla", v1.repo, v1.path, v1.commit)
+    remote_obj = layout.datasets("vla") / "files" / "md5" / md5(A_OLD)[:2] / md5(A_OLD)[2:]
+    remote_obj.rename(remote_obj.with_name("aside"))
+    with pytest.raises(data.DataError, match=rf"{v1.commit}.*its DVC remote lacks some files \(was 'dvc push' run\?\)"
+                                               rf".*{md5(A_OLD)}"):
+        data.pull(spec, settings)  # what det-lab reproduce says of such a run, with the revision
+    remote_obj.with_name("aside").rename(remote_obj)
     back = data.pull(spec, settings)
     assert back.identity.md5 == v1.md5 and (back.path / "old.bin").read_bytes() == A_OLD
 

@@ -274,7 +274,8 @@ def _explain_dvc_error(stderr: str, spec: DatasetSpec) -> str:
         return f"{where}: the repository has no default DVC remote (run 'dvc remote add -d ...' there)"
     if "credential" in lowered or "access denied" in lowered or "403" in lowered or "401" in lowered:
         return f"{where}: no credentials for its DVC remote: {text.removeprefix('ERROR: ')}"
-    if "missing" in lowered or "does not exist" in lowered or "not on remote" in lowered:
+    if "missing" in lowered or "does not exist" in lowered or "not on remote" in lowered or \
+            "failed to download" in lowered or "no such file" in lowered:
         return f"{where}: its DVC remote lacks some files (was 'dvc push' run?): {text.removeprefix('ERROR: ')}"
     return f"{where}: dvc fetch failed: {text.removeprefix('ERROR: ')}"
 
