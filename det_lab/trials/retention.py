@@ -200,6 +200,9 @@ def checkpoint_path(root: Path, uuid: str) -> Path | None:
 def remove_checkpoint(path: Path) -> None:
     """Delete one checkpoint directory: ``metadata.json`` first (nothing then takes the rest for a
     complete checkpoint), then the tree; a directory already gone is no error."""
+    if path.is_symlink():  # the link goes, never what it points to
+        path.unlink()
+        return
     try:
         (path / "metadata.json").unlink()
     except FileNotFoundError:
@@ -229,6 +232,10 @@ def delete_marked(record: Any, root: Path, reason: str, only: set[str] | None = 
             if entry["uuid"] in only and entry["uuid"] != protected and not entry.get(DELETING):
                 entry[DELETING] = {"since": _now(), "reason": reason}
         record.save(state)  # the intent is on disk before any file goes
+    for entry in entries:  # the resume point is never deleted, whoever marked it
+        if entry.get(DELETING) and entry["uuid"] == state.get("latest_checkpoint"):
+            del entry[DELETING]
+            record.save(state)
     marked = [e for e in entries if e.get(DELETING)]
     if not marked:
         return outcome
