@@ -13,17 +13,16 @@ import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Literal
 
+from det_lab.checks import Check, Status  # noqa: F401  (Status: re-exported)
 from det_lab.compat import DETERMINED_VERSION, import_deploy
+from det_lab.mounts import NETWORK_FS, Mount, mount_of, parse_mounts  # noqa: F401  (re-exported)
 from det_lab.net import http_answers
 from det_lab.settings import LabSettings
 from det_lab.volume import SHARED_DIR_MODE, VolumeLayout, human_bytes, is_initialised, project_usage
 
-Status = Literal["pass", "warn", "fail"]
-NETWORK_FS = {"nfs", "nfs4"}
 MIN_FREE_BYTES = 1 << 30
 QUOTA_WARN_FRACTION = 0.8
 
@@ -40,24 +39,6 @@ RISKS: dict[str, tuple[str, str]] = {
     "no audit trail": ("audit trail", "Determined records every experiment; det_lab mirrors it to MLflow/Aim; "
                        "local runs' GPU leases are journaled on the volume (det-lab usage)"),
 }
-
-
-@dataclass(frozen=True)
-class Check:
-    """One line of the doctor's report."""
-
-    name: str
-    status: Status
-    detail: str
-    fix: str = ""
-
-
-@dataclass(frozen=True)
-class Mount:
-    device: str
-    mountpoint: Path
-    fstype: str
-    options: tuple[str, ...]
 
 
 def run_checks(settings: LabSettings, mounts_file: Path = Path("/proc/mounts")) -> list[Check]:
@@ -182,29 +163,6 @@ def _writable(root: Path) -> Check:
             "remount the volume read-write, or add this user to the volume's group and run 'chmod g+ws' on it",
         )
     return Check("data root writable", "pass", f"writable by {user}")
-
-
-def parse_mounts(text: str) -> list[Mount]:
-    """Parse /proc/mounts (octal escapes such as ``\\040`` for spaces included)."""
-    mounts = []
-    for line in text.splitlines():
-        parts = line.split()
-        if len(parts) < 4:
-            continue
-        unescape = lambda s: s.encode().decode("unicode_escape")  # noqa: E731
-        mounts.append(Mount(unescape(parts[0]), Path(unescape(parts[1])), parts[2], tuple(parts[3].split(","))))
-    return mounts
-
-
-def mount_of(path: Path, mounts: list[Mount]) -> Mount | None:
-    """The mount that holds ``path``: the last-mounted one with the longest matching mountpoint."""
-    path = path.resolve()
-    best: Mount | None = None
-    for m in mounts:
-        if path == m.mountpoint or m.mountpoint in path.parents:
-            if best is None or len(m.mountpoint.parts) >= len(best.mountpoint.parts):
-                best = m
-    return best
 
 
 def _mount_check(root: Path, mounts_file: Path) -> Check:

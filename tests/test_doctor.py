@@ -18,7 +18,8 @@ import pytest
 from typer.testing import CliRunner
 
 from det_lab.cli.app import app
-from det_lab.doctor import gpu_report, mount_of, parse_mounts, run_checks
+from det_lab.doctor import gpu_report, run_checks
+from det_lab.mounts import mount_of, parse_mounts
 from det_lab.settings import load_settings
 from tests.conftest import VENV_BIN
 

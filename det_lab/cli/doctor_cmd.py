@@ -12,7 +12,7 @@ from det_lab.cli.common import console, state
 if TYPE_CHECKING:
     from rich.table import Table
 
-    from det_lab.doctor import Check
+    from det_lab.checks import Check
 
 STYLE = {"pass": "green", "warn": "yellow", "fail": "bold red"}
 

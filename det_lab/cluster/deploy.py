@@ -41,7 +41,8 @@ from det_lab.cluster.plan import agent_yaml_path, master_yaml_path, use_gpus
 from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensure_private_dir, write_private
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.compat import import_deploy
-from det_lab.doctor import Check, run_checks
+from det_lab.checks import Check
+from det_lab.doctor import run_checks
 from det_lab.net import http_answers
 from det_lab.settings import LabSettings
 

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from det_lab.doctor import NETWORK_FS, mount_of, parse_mounts
+from det_lab.mounts import NETWORK_FS, mount_of, parse_mounts
 
 PASSWORD_LENGTH = 24
 DB_PASSWORD_LENGTH = 32
