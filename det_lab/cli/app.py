@@ -8,7 +8,7 @@ import typer
 
 from det_lab import __version__
 from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cmds
-from det_lab.cli import cluster_cmds
+from det_lab.cli import cluster_backup_cmds, cluster_cmds
 from det_lab.cli import templates_cmds
 from det_lab.cli import runs_cmds, slurm_cmds
 from det_lab.cli import usage_cmd
@@ -56,6 +56,9 @@ app.add_typer(data_cmds.app, name="data")
 app.add_typer(volume_cmds.app, name="volume")
 app.command()(run_cmd.run)
 app.add_typer(tracking_cmds.app, name="tracking")
+cluster_cmds.app.command()(cluster_backup_cmds.backup)
+cluster_cmds.app.command()(cluster_backup_cmds.restore)
+cluster_cmds.app.command("backup-timer")(cluster_backup_cmds.backup_timer)
 app.add_typer(cluster_cmds.app, name="cluster")
 app.add_typer(templates_cmds.app, name="templates")
 app.add_typer(slurm_cmds.app, name="slurm")

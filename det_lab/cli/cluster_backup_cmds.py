@@ -8,11 +8,10 @@ from pathlib import Path
 
 import typer
 
-from det_lab.cli.cluster_cmds import _load, app
+from det_lab.cli.cluster_common import load as _load
 from det_lab.cli.common import console, fail
 
 
-@app.command()
 def backup(
     ctx: typer.Context,
     to: Path | None = typer.Option(None, "--to", help="Directory (default: backup.dir, else "
@@ -44,7 +43,6 @@ def backup(
         console.print(f"pruned {r.dump.name}", highlight=False)
 
 
-@app.command()
 def restore(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help="A .dump file written by 'det-lab cluster backup'."),
@@ -64,7 +62,6 @@ def restore(
                   highlight=False, soft_wrap=True)
 
 
-@app.command("backup-timer")
 def backup_timer(
     ctx: typer.Context,
     out: Path | None = typer.Option(None, "--out", help="Write det-lab-backup.service/.timer here (e.g. /etc/systemd/system)."),

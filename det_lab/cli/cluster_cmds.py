@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, state
+from det_lab.cli.cluster_common import META_KEY as _META_KEY
+from det_lab.cli.cluster_common import load as _load
+from det_lab.cli.common import console, err_console, fail
 
 if TYPE_CHECKING:
     from det_lab.cluster import plan
@@ -26,7 +28,6 @@ app = typer.Typer(
     no_args_is_help=True,
 )
 
-_META_KEY = "det_lab.cluster_config"
 T = TypeVar("T")
 
 
@@ -39,28 +40,6 @@ def _cluster(
     ),
 ) -> None:
     ctx.meta[_META_KEY] = cluster_config
-
-
-def _load(ctx: typer.Context, master: str | None = None) -> tuple[LabSettings, ClusterSettings]:
-    from det_lab.cluster.settings import ClusterConfigError, ClusterSettings, load_cluster_settings
-
-    lab = state(ctx).settings
-    try:
-        cluster = load_cluster_settings(lab, ctx.meta.get(_META_KEY))
-    except ClusterConfigError as exc:
-        fail(str(exc))
-    if master:
-        host, _, port = master.removeprefix("http://").rstrip("/").partition(":")
-        update: dict = {"master_host": host}
-        if port:
-            if not port.isdigit() or not 0 < int(port) < 65536:
-                fail(f"MASTER {master!r}: the port must be a number 1-65535")
-            update["master_port"] = int(port)
-        try:
-            cluster = ClusterSettings.model_validate({**cluster.model_dump(), **update, "source": cluster.source})
-        except ValueError as exc:
-            fail(f"MASTER {master!r}: {str(exc).splitlines()[-1].strip()}")
-    return lab, cluster
 
 
 def _agents(cluster: ClusterSettings, extra: list[str]) -> list[str]:
@@ -363,8 +342,3 @@ def template(
     except TemplateApplyError as exc:
         fail(str(exc))
     console.print(f"{done} template {name!r} on {master}", highlight=False)
-
-
-
-# backup, restore and backup-timer live in their own module; importing it registers them on `app`
-from det_lab.cli import cluster_backup_cmds  # noqa: E402,F401
