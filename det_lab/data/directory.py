@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from det_lab.data.errors import DataError
-from det_lab.data.pull import DatasetIdentity, PulledDataset
+from det_lab.data.identity import DatasetIdentity, PulledDataset
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
 

@@ -32,6 +32,7 @@ import yaml
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
 from det_lab.data.errors import DataError
+from det_lab.data.identity import DatasetIdentity, PulledDataset
 from det_lab.data.git import clone_at, resolve_revision
 from det_lab.data.integrity import (
     READ_ONLY_DIR_MODE, SNAPSHOT_MARKER, changed_files, file_stats, hash_mismatches, md5_of, read_marker,
@@ -59,33 +60,6 @@ class DatasetSpec:
             raise DataError(f"dataset path {self.path!r} must be a relative path inside the repository")
         if not self.repo:
             raise DataError("dataset repo must be a git URL or path")
-
-
-@dataclass(frozen=True)
-class DatasetIdentity:
-    """Lineage of a pulled dataset: enough to reproduce it bit for bit."""
-
-    project: str
-    repo: str
-    rev: str
-    commit: str
-    path: str
-    md5: str  # DVC's hash of the output; for a directory, the hash of its ``.dir`` manifest
-    size: int
-    nfiles: int
-
-    def as_tags(self, prefix: str = "dataset.") -> dict[str, str]:
-        return {f"{prefix}{k}": str(v) for k, v in asdict(self).items()}
-
-
-@dataclass(frozen=True)
-class PulledDataset:
-    """A dataset ready to read: ``path`` is read-only and complete."""
-
-    path: Path
-    identity: DatasetIdentity
-    fetched: bool  # True when this call did the fetch, False when it reused a snapshot
-    repaired: tuple[str, ...] = ()  # snapshot files found damaged on reuse and restored
 
 
 @dataclass(frozen=True)
