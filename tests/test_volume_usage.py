@@ -110,10 +110,14 @@ def test_by_run_and_by_user(volume, other_user):
 
 
 def test_bad_input_is_one_line(lab):
-    for args, says in ((("--by", "colour"), "--by must be project, user, kind or run"),
-                       (("--days", "-1"), "--days must be 0 or more")):
-        proc = lab.cli("volume", "usage", *args)
+    """Bad options, and a data root with no volume (not initialised): one error line each."""
+    for args, says in ((("volume", "usage", "--by", "colour"), "--by must be project, user, kind or run"),
+                       (("volume", "usage", "--days", "-1"), "--days must be 0 or more"),
+                       (("volume", "usage"), "run 'det-lab init' there first"),
+                       (("data", "gc", "--yes"), "run 'det-lab init' there first")):
+        proc = lab.cli(*args)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+    assert not lab.root.exists()
 
 
 def test_kept_checkpoint_figures_follow_changes(volume, monkeypatch, tmp_path):

@@ -107,6 +107,8 @@ def plan(settings: LabSettings, keep: Keep, days: float, now: float | None = Non
     now = time.time() if now is None else now
     grace = grace_s()
     layout = VolumeLayout.from_settings(settings)
+    if not layout.state.is_dir():
+        raise GcError(f"{layout.state} does not exist: no volume at {layout.root} (run 'det-lab init' there first)")
     registry, pins = load_registry(settings), load_pins(settings)
     out = []
     for project in sorted(settings.projects):

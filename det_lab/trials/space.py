@@ -24,6 +24,7 @@ import orjson
 
 from det_lab.settings import LabSettings
 from det_lab.trials.listing import user_name
+from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.trials.storage import FactsCache, run_facts, trains
 from det_lab.volume import VolumeLayout, atomic_write_text
@@ -34,6 +35,10 @@ By = Literal["project", "user", "kind", "run"]
 NO_RUN = ""
 #: a complete checkpoint unchanged this long is taken as written for good (its figures kept)
 SETTLED_S = 60.0
+
+
+class SpaceError(UserError):
+    """``det-lab volume usage`` cannot look: no volume at the data root."""
 
 
 def kind_dir(layout: VolumeLayout, project: str, kind: Kind) -> Path:
@@ -291,6 +296,8 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
     """The space of ``projects`` (default: all) by project, kind, user and run; with
     ``reclaimable``, what ``data gc --days days`` and ``runs prune --older-than <days>d`` would free."""
     layout = VolumeLayout.from_settings(settings)
+    if not layout.state.is_dir():
+        raise SpaceError(f"{layout.state} does not exist: no volume at {layout.root} (run 'det-lab init' there first)")
     names = sorted(projects or settings.projects)
     report = SpaceReport({}, {}, days)
     walk, facts = _Walk(settings.data_root), FactsCache(settings.data_root)
