@@ -107,8 +107,7 @@ def plan(settings: LabSettings, keep: Keep, days: float, now: float | None = Non
     now = time.time() if now is None else now
     grace = grace_s()
     layout = VolumeLayout.from_settings(settings)
-    if not layout.state.is_dir():
-        raise GcError(f"{layout.state} does not exist: no volume at {layout.root} (run 'det-lab init' there first)")
+    _require_volume(layout)
     registry, pins = load_registry(settings), load_pins(settings)
     out = []
     for project in sorted(settings.projects):
@@ -118,6 +117,11 @@ def plan(settings: LabSettings, keep: Keep, days: float, now: float | None = Non
         roots = set(keep.lineage.get(project, set())) | {p.md5 for p in pins.values() if p.project == project}
         out.append(_plan_project(layout, project, repos, roots, keep.in_use.get(project, set()), now - days * 86400, now - grace))
     return GcPlan(days, out)
+
+
+def _require_volume(layout: VolumeLayout) -> None:
+    if not layout.state.is_dir():
+        raise GcError(f"{layout.state} does not exist: no volume at {layout.root} (run 'det-lab init' there first)")
 
 
 def grace_s() -> float:
@@ -374,6 +378,7 @@ def collect(settings: LabSettings, keep: Keep, days: float, *, yes: bool = False
     if not yes:
         return plan(settings, keep, days), None
     layout = VolumeLayout.from_settings(settings)
+    _require_volume(layout)  # before the lock, which would create .det-lab/locks/
     try:
         with gc_lock(layout):
             made = plan(settings, keep, days)
