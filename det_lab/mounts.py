@@ -24,9 +24,12 @@ def parse_mounts(text: str) -> list[Mount]:
         parts = line.split()
         if len(parts) < 4:
             continue
-        unescape = lambda s: s.encode().decode("unicode_escape")  # noqa: E731
-        mounts.append(Mount(unescape(parts[0]), Path(unescape(parts[1])), parts[2], tuple(parts[3].split(","))))
+        mounts.append(Mount(_unescape(parts[0]), Path(_unescape(parts[1])), parts[2], tuple(parts[3].split(","))))
     return mounts
+
+
+def _unescape(field: str) -> str:
+    return field.encode().decode("unicode_escape")
 
 
 def mount_of(path: Path, mounts: list[Mount]) -> Mount | None:

@@ -12,7 +12,6 @@ from PIL import Image
 
 from det_lab.scenes import (
     CAMERA_MODELS,
-    FISHEYE_MODELS,
     SPHERICAL_MODELS,
     ColmapError,
     load_scene,

@@ -12,7 +12,6 @@ import shutil
 import stat
 import subprocess
 import tempfile
-import textwrap
 import uuid
 from dataclasses import dataclass
 from pathlib import Path

@@ -273,7 +273,7 @@ def test_vla_trains_in_the_task_as_the_linked_user(lab):
     conf["hyperparameters"]["frame_cache"] = "shm"
     conf["resources"]["shm_size"] = 256 * 1024
     before = _runs(lab)
-    second = _run(lab, "vla", conf, user=lab.b, trial_id=2)
+    _run(lab, "vla", conf, user=lab.b, trial_id=2)
     run = _new_run(lab, before)
     assert run["status"] == "finished"
     log = (lab.data / "outputs" / "grasping" / "local-runs" / run["name"] / "train.log").read_text()

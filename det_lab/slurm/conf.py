@@ -138,5 +138,5 @@ def setup_notes(slurm: SlurmSettings, lab: LabSettings) -> list[str]:
         "trials run in an Apptainer image where images: maps their config's image ('det-lab slurm image')",
         f"start: slurmctld on {slurm.controller}, slurmd on every node; then 'sinfo' shows "
         f"{', '.join(slurm.partitions())}",
-        f"a requeued job waits cred_expire (120 s by default) before it starts again",
+        "a requeued job waits cred_expire (120 s by default) before it starts again",
     ]
