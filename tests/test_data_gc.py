@@ -278,7 +278,6 @@ def test_a_gc_killed_mid_way_is_finished_by_the_next_and_loses_nothing_kept(vol)
 
 def test_a_snapshot_left_half_evicted_by_a_killed_gc_is_removed_and_pulls_again(vol):
     lab, settings, _ = vol
-    layout = VolumeLayout(settings.data_root)
     beta = data.pull("beta", settings)
     snap = beta.path.parent
     aside = snap.with_name(f".evict-{snap.name}-deadbeef")  # where a killed gc renamed it

@@ -449,7 +449,7 @@ def test_a_slurm_yaml_naming_no_cluster_uses_the_running_clusters_name(acct):
     clusters = cluster.run("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster").stdout.split()
     synced = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(unnamed)}, "slurm", "accounts")
     assert synced.returncode == 0, synced.stderr
-    assert f"already match the lab config: nothing to change" in synced.stdout
+    assert "already match the lab config: nothing to change" in synced.stdout
     assert f"on cluster {cluster.settings.cluster_name}" in synced.stdout
     assert cluster.run("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster").stdout.split() == clusters
     assert sacctmgr_state(cluster) == before
