@@ -304,3 +304,25 @@ def test_wait_exits_with_the_trials_failure(slurm_lab, crashing_run):
     st = state(run_dir)
     assert st["status"] == "failed" and st["exit_code"] == 3 and not st.get("latest_checkpoint")
     assert "failed at step 40 of 80" in out and "determined.core" in out  # the log's last lines
+
+
+def test_a_slurm_run_keeps_checkpoints_by_determineds_keys_and_is_not_deleted_while_its_job_lives(slurm_lab):
+    """Retention runs inside the job, as for a local run (tests/test_retention.py): a checkpoint
+    every 20 batches, save_trial_best 1 and save_trial_latest 1 leave the best and latest (80,
+    the loss falls); det-lab runs delete refuses the run while its job is queued or training."""
+    proc, run_dir = _submit_waiting(slurm_lab, "--set", "min_checkpoint_period.batches=20",
+                                    "--set", "checkpoint_storage.save_trial_latest=1",
+                                    "--set", "hyperparameters.sleep_per_batch=0.1")
+    refused = slurm_lab.cli("runs", "delete", run_dir.name, "--yes")
+    assert refused.returncode == 2 and refused.stderr.startswith(f"error: run {run_dir.name} cannot be deleted: ")
+    assert any(words in refused.stderr for words in ("its Slurm job", "it is training as pid")), refused.stderr
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, out
+    st = state(run_dir)
+    assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [80]
+    assert [d["step"] for d in st["checkpoints_deleted"]] == [20, 40, 60]
+    ckpts = slurm_lab.root / "checkpoints" / "vla"
+    assert (ckpts / st["latest_checkpoint"] / "metadata.json").is_file()
+    assert not any((ckpts / d["uuid"]).exists() for d in st["checkpoints_deleted"])
+    slurm_lab.cli("runs", "delete", run_dir.name, "--yes", check=True)  # the job ended: it may go now
+    assert not run_dir.exists() and not (ckpts / st["latest_checkpoint"]).exists()
