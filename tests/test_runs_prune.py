@@ -332,3 +332,19 @@ def test_another_members_run_goes_only_with_the_groups_write_rights(team):  # no
     assert done.returncode == 0, done.stdout + done.stderr
     assert not shared.exists() and ckpts and not any(p.exists() for p in ckpts)
     assert private.is_dir()
+
+
+def test_a_deleted_runs_aim_run_is_tagged_and_kept(lab, tmp_path):
+    from det_lab.tracking.aim_reader import read_runs
+
+    repo = tmp_path / "aim-repo"
+    lab.write_config(tracking={"backend": "aim", "aim_repo": str(repo)})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    publish_tiny_data(settings, tmp_path)
+    run_dir = _tiny_run(lab, "t-aim")
+    out = lab.cli("runs", "delete", "t-aim", "--yes", check=True).stdout
+    assert "aim run" in out and "tagged det_lab.deleted" in out and not run_dir.exists()
+    (row,) = [r for r in read_runs(settings, "det_lab/vla") if r["run_key"] == "local-t-aim"]
+    assert row["tags"]["det_lab.deleted"] == "true" and row["status"] == "FINISHED"
+    assert row["metrics"]  # its metrics stay
