@@ -296,8 +296,12 @@ def _dvc_used(repo: str, cache: Path, commits: list[str]) -> dict[str, set[str]]
     with tempfile.TemporaryDirectory(prefix="det-lab-gc-") as tmp:
         ws = Path(tmp) / "ws"
         clone_at(repo, commits[0], ws)
-        if not (ws / ".dvc").is_dir():
-            return {c: set() for c in commits}  # not a DVC project at that commit: it references nothing
+        dvc_commits = [c for c in commits if _has_dvc(ws, c)]
+        out.update((c, set()) for c in commits if c not in dvc_commits)  # not a DVC project there: nothing
+        if not dvc_commits:
+            return out
+        git("checkout", "--quiet", "--detach", dvc_commits[0], cwd=ws)
+        commits = dvc_commits
         _configure_workspace(ws, cache, Path(tmp) / "site-cache")
         try:
             with Repo(str(ws)) as dvc_repo:
@@ -308,6 +312,14 @@ def _dvc_used(repo: str, cache: Path, commits: list[str]) -> dict[str, set[str]]
         except DvcException as exc:
             raise DataError(f"DVC cannot read {repo}: {exc}: nothing is collected from the cache it shares") from None
     return out
+
+
+def _has_dvc(ws: Path, commit: str) -> bool:
+    try:
+        git("cat-file", "-e", f"{commit}:.dvc", cwd=ws)
+        return True
+    except DataError:
+        return False
 
 
 # --- doing it ------------------------------------------------------------------------------------
