@@ -200,6 +200,9 @@ def test_a_deleted_run_is_tagged_in_mlflow_not_erased_and_a_down_tracker_gets_th
     prune_lab.cli("tracking", "sync", check=True)
     run = client.get_run(down_id)
     assert run.data.tags["det_lab.deleted"] == "true" and run.info.status == "FINISHED"
+    fake_run(prune_lab, "t-after")  # the next deletion clears the journal that has done its work
+    prune_lab.cli("runs", "delete", "t-after", "--yes", check=True)
+    assert not journal.exists()
 
 
 def test_a_run_that_trains_is_never_deleted(prune_lab):

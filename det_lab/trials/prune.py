@@ -45,6 +45,8 @@ from det_lab.volume import VolumeLayout
 STATUSES = ("finished", "failed", "stopped", "cancelled", "pruned", "died", "created", "queued", "deleting")
 #: run.json key of a deletion under way
 DELETING_KEY = "deleting"
+#: file in a deleted run's journal (moved beside the cluster trials'), holding the run's old place
+DELETED_RUN_MARK = "deleted-run"
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([mhdw])")
 _UNITS = {"m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 
@@ -303,6 +305,7 @@ def _tag(run: LocalRunRecord, planned: PlannedRun, settings: LabSettings) -> lis
     if recorded_targets(journal) and not kept.exists():
         kept.parent.mkdir(parents=True, exist_ok=True)
         os.rename(journal, kept)
+        (kept / DELETED_RUN_MARK).write_text(str(run.dir) + "\n")  # a later pass removes it once delivered
     if not recorded_targets(kept):  # no tracker, or a deletion killed after the move: tag (again) below
         return ["no tracker run recorded"]
     tags = {"det_lab.deleted": "true", "det_lab.deleted_at": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -322,9 +325,16 @@ def _tag(run: LocalRunRecord, planned: PlannedRun, settings: LabSettings) -> lis
 
 def execute(settings: LabSettings, plan: Plan, progress: Callable[[str], None] | None = None) -> list[Deleted]:
     """Delete every run of ``plan`` (see the module docstring for the order), and finish killed deletions."""
+    from det_lab.tracking.sync import pending
+
     done = []
     for leftover in plan.leftovers:
         shutil.rmtree(leftover, ignore_errors=True)
+    layout = VolumeLayout.from_settings(settings)
+    for project in settings.projects:  # journals of deleted runs whose tags a later sync delivered
+        for mark in (layout.outputs(project) / JOURNAL_DIR).glob(f"*/{DELETED_RUN_MARK}"):
+            if pending(mark.parent) == 0:
+                shutil.rmtree(mark.parent, ignore_errors=True)
     for p in plan.runs:
         run = p.record or LocalRunRecord(p.dir)
         if progress:
