@@ -19,7 +19,13 @@ from det_lab.settings import load_settings
 from det_lab.volume import init_volume
 from tests.conftest import Lab, publish_tiny_data
 from tests.test_monitoring_nvml import build_shim
-from tests.test_trials_local import held_after, run_state, runs_dir, start_run, wait_for_step
+from tests.test_trials_local import (
+    held_after,
+    run_state,
+    runs_dir,
+    start_run,
+    wait_for_step,
+)
 
 TOTAL = 80_000_000_000
 GPU0 = "GPU-5d2a9c71-0e4b-4f8a-b3c6-1a7e9d0f2b48"

@@ -116,8 +116,8 @@ class GpuSampler:
         finally:
             try:
                 nvml.nvmlShutdown()
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001 (a driver gone mid-run: nothing to shut down)
+                log.debug("det_lab: nvmlShutdown: %s", exc)
 
     def sample(self, nvml: Any) -> None:
         """One sample of this process's GPUs."""
@@ -181,6 +181,12 @@ def summary_lines(summary: dict[str, Any]) -> list[str]:
     return lines + list(summary.get("notes", []))
 
 
+def _weighted(a: dict[str, Any], b: dict[str, Any], key: str) -> float | None:
+    """``key``'s mean over both summaries' samples (one without it counts for nothing)."""
+    vals = [(s[key], s["samples"]) for s in (a, b) if s[key] is not None]
+    return sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
+
+
 def merge(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any]:
     """A resumed run's summary: each GPU's means over both attempts' samples, the higher peak."""
     if not before or not isinstance(before.get("gpus"), list):
@@ -192,14 +198,8 @@ def merge(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str, Any
         if p is None:
             gpus.append(g)
             continue
-        n, m = p["samples"], g["samples"]
-
-        def mean(key: str) -> float | None:
-            vals = [(v, w) for v, w in ((p[key], n), (g[key], m)) if v is not None]
-            return sum(v * w for v, w in vals) / sum(w for _, w in vals) if vals else None
-
-        gpus.append({**g, "samples": n + m, "utilization_mean": mean("utilization_mean"),
-                     "memory_mean_bytes": mean("memory_mean_bytes"), "power_mean_w": mean("power_mean_w"),
+        gpus.append({**g, "samples": p["samples"] + g["samples"],
+                     **{key: _weighted(p, g, key) for key in ("utilization_mean", "memory_mean_bytes", "power_mean_w")},
                      "memory_peak_bytes": max(p["memory_peak_bytes"], g["memory_peak_bytes"])})
     gpus += list(old.values())
     gpus.sort(key=lambda g: g["index"])

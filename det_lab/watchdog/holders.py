@@ -136,7 +136,7 @@ def slurm_holders(node: str, env: Mapping[str, str] | None = None) -> list[Holde
     if not slurm_configured(env):
         return []
     try:
-        proc = subprocess.run(["scontrol", "-d", "-o", "show", "job"], capture_output=True, text=True,
+        proc = subprocess.run(["scontrol", "-d", "-o", "show", "job"], capture_output=True, text=True, check=False,
                               timeout=COMMAND_TIMEOUT, env=None if env is None else {**os.environ, **env})
     except (OSError, subprocess.TimeoutExpired):
         return []

@@ -63,10 +63,11 @@ class WatchdogJournal:
             if isinstance(entry, dict) and entry.get("event") in EVENTS:
                 yield entry
 
-    def states(self) -> dict[str, HolderState]:
-        """Each holder's state, folded from the journal (snoozes by their target names, see :meth:`snoozes`)."""
+    def states(self, entries: list[dict[str, Any]] | None = None) -> dict[str, HolderState]:
+        """Each holder's state, folded from the journal (or ``entries`` read from it; snoozes are by their
+        target names, see :meth:`snoozes`)."""
         out: dict[str, HolderState] = {}
-        for e in self.entries():
+        for e in self.entries() if entries is None else entries:
             if e["event"] == "snoozed":
                 continue
             st = out.setdefault(e["holder"], HolderState())
@@ -81,9 +82,9 @@ class WatchdogJournal:
                 st.episode, st.warned_at, st.deadline, st.acted = st.episode + 1, None, None, False
         return out
 
-    def snoozes(self) -> list[dict[str, Any]]:
+    def snoozes(self, entries: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Every snooze asked: ``target`` (what the user named), ``until``, ``by`` (their user)."""
-        return [e for e in self.entries() if e["event"] == "snoozed"]
+        return [e for e in (self.entries() if entries is None else entries) if e["event"] == "snoozed"]
 
     def append(self, entry: dict[str, Any], once: bool = True) -> bool:
         """Append ``entry`` (``holder``, ``event``, ``episode`` ...); with ``once``, not when that holder's

@@ -18,8 +18,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from det_lab.nvml import GpuReading, read_gpus
-from det_lab.slurm.record import JOB_SCRIPT
 from det_lab.settings import LabSettings
+from det_lab.slurm.record import JOB_SCRIPT
 from det_lab.watchdog import actions, notify
 from det_lab.watchdog.holders import Holder, discover
 from det_lab.watchdog.journal import HolderState, MachineState, WatchdogJournal
@@ -63,6 +63,7 @@ class Watchdog:
         self.samples = self.machine.load_samples()
         self._last_pass: float | None = None
         self._job_runs: dict[str, Path | None] = {}
+        self._snoozes: list[dict] = []
 
     # --- one pass ------------------------------------------------------------------------------------
 
@@ -71,7 +72,8 @@ class Watchdog:
         now = self.clock()
         readings = {g.index: g for g in self.read()}
         holders = discover(list(readings.values()), self.node, self.host, self.settings, self.slurm_env)
-        states = self.journal.states()
+        entries = list(self.journal.entries())  # read once a pass
+        states, self._snoozes = self.journal.states(entries), self.journal.snoozes(entries)
         elapsed = min(now - self._last_pass, 2 * self.wd.interval) if self._last_pass else self.wd.interval
         idle_seconds: dict[str, float] = {}
         for h in holders:
@@ -171,7 +173,7 @@ class Watchdog:
 
     def _snooze(self, h: Holder, now: float) -> dict | None:
         """The snooze in force for ``h``: asked by its user (or root), naming one of its aliases."""
-        for s in reversed(self.journal.snoozes()):
+        for s in reversed(self._snoozes):
             if s.get("target") in h.aliases and float(s.get("until", 0)) > now and s.get("by") in (h.user, "root"):
                 return s
         return None
