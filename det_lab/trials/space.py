@@ -1,7 +1,7 @@
 """Who uses the volume's space: bytes by project, user, kind or run, and what cleaning would free.
 
-One walk of every project's directories, in the order ``cache, snapshots, datasets, checkpoints,
-outputs``, counts each inode once, where it is first met (a snapshot file hard-linked from the
+One walk of each project's directories, in the order ``cache, snapshots, datasets, checkpoints,
+outputs``, counts each inode once within the project (as its quota does), where it is first met (a snapshot file hard-linked from the
 cache counts in the cache), by its blocks on disk, directories included: the figure of each
 directory is what ``du -s -B1`` prints for it when given the same directories in the same order
 (``du`` counts a hard-linked file once; ``du -l`` would count it at each link). A file belongs to
@@ -302,17 +302,22 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
     report = SpaceReport({}, {}, days)
     walk, facts = _Walk(settings.data_root), FactsCache(settings.data_root)
     old_runs: dict[str, set[str]] = {}
+    jobs = []
     for project in names:
-        ps = ProjectSpace(project, int(settings.project(project).quota))
         labels, old_runs[project] = _labels(layout, project, facts, time.time() - days * 86400)
-        for kind in KINDS:
-            cells: dict[tuple[str, int], int] = defaultdict(int)
-            ps.kinds[kind] = walk.tree(kind_dir(layout, project, kind), NO_RUN, labels, cells, units=kind == "checkpoints")
-            for (run, uid), n in cells.items():
-                report.cells[(project, kind, run, uid)] = n
-        report.projects[project] = ps
-    walk.save()
+        jobs.append((walk, layout, project, labels))
     facts.save()
+    kept: dict[str, Any] = {}
+    changed = False
+    for project, (kinds, cells, project_kept, project_changed) in zip(names, (_walk_project(*job) for job in jobs)):
+        ps = ProjectSpace(project, int(settings.project(project).quota), kinds)
+        for (kind, run, uid), n in cells.items():
+            report.cells[(project, kind, run, uid)] = n
+        report.projects[project] = ps
+        kept.update(project_kept)
+        changed = changed or project_changed
+    walk.kept, walk.changed = kept, changed
+    walk.save()
     if reclaimable:
         for (project, _kind, run, _uid), n in report.cells.items():
             if run in old_runs.get(project, ()):
@@ -320,6 +325,21 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
                 ps.reclaimable["runs prune"] = ps.reclaimable.get("runs prune", 0) + n
         _reclaimable(settings, report)
     return report
+
+
+def _walk_project(walk: _Walk, layout: VolumeLayout, project: str, labels: dict[str, str]
+                  ) -> tuple[dict[str, int], dict[tuple[str, str, int], int], dict[str, Any], bool]:
+    """Walk one project: its kinds' totals, cells ``(kind, run, uid) -> bytes``, and the
+    checkpoint figures to keep. Each inode once within the project, as its quota counts."""
+    walk.seen, walk.kept, walk.changed = set(), {}, False
+    kinds: dict[str, int] = {}
+    out: dict[tuple[str, str, int], int] = {}
+    for kind in KINDS:
+        cells: dict[tuple[str, int], int] = defaultdict(int)
+        kinds[kind] = walk.tree(kind_dir(layout, project, kind), NO_RUN, labels, cells, units=kind == "checkpoints")
+        for (run, uid), n in cells.items():
+            out[(kind, run, uid)] = n
+    return kinds, out, walk.kept, walk.changed
 
 
 def _reclaimable(settings: LabSettings, report: SpaceReport) -> None:
