@@ -9,6 +9,7 @@ fails otherwise (the library and the kernel module differ after an upgrade witho
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,20 +42,23 @@ def nvml_module() -> Any:
     return pynvml
 
 
-def compute_processes(nvml: Any, handle: Any) -> list:
+def compute_processes(nvml: Any, handle: Any) -> list[Any]:
     """The GPU's compute processes; a driver before R510 has the ``_v2`` call (same struct), not the ``_v3``
     nvidia-ml-py calls."""
+    older: tuple[type[BaseException], ...] = (nvml.NVMLError_FunctionNotFound,
+                                               *((nvml.NVMLLibraryMismatchError,)
+                                                 if hasattr(nvml, "NVMLLibraryMismatchError") else ()))
     try:
-        return nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-    except (nvml.NVMLError_FunctionNotFound, getattr(nvml, "NVMLLibraryMismatchError", ())):
-        return nvml.nvmlDeviceGetComputeRunningProcesses_v2(handle)
+        return list(nvml.nvmlDeviceGetComputeRunningProcesses(handle))
+    except older:
+        return list(nvml.nvmlDeviceGetComputeRunningProcesses_v2(handle))
 
 
 def _text(value: str | bytes) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _optional(nvml: Any, call, *args) -> Any:
+def _optional(nvml: Any, call: Callable[..., Any], *args: Any) -> Any:
     """``call(*args)``, or None where this GPU or driver does not support it."""
     try:
         return call(*args)
