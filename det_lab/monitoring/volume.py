@@ -74,6 +74,8 @@ class VolumeSource(VolumeReader):
     def _space(self, out: Families) -> None:
         """Bytes per user and what ``data gc`` and ``runs prune`` would free per project, from
         :func:`det_lab.trials.space.volume_space` (its walk keeps complete checkpoints' figures)."""
+        if not self.layout.state.is_dir():
+            return  # not initialised: no runs, no datasets (the figures above say it is empty)
         report = volume_space(self.settings, days=RECLAIM_DAYS)
         for user, n in report.by("user"):
             out.add("volume_user_bytes", "bytes on the volume each user owns (hard links once)", {"user": user}, n)
