@@ -72,3 +72,15 @@ def test_a_bad_duration_in_the_lab_config_is_one_line(tmp_path):
     with pytest.raises(LabConfigError) as exc:
         load_settings(cfg, env={})
     assert str(exc.value) == f"{cfg}: watchdog.rule.window: 'soon' is not a duration such as 90s, 60m, 2h or 1d"
+
+
+def test_each_webhook_kind_gets_its_json_shape():
+    """Slack's incoming webhook takes {text}; Mattermost's and matrix-hookshot's generic webhook also a username."""
+    from det_lab.watchdog.notify import webhook_body
+    from det_lab.watchdog_settings import WebhookSettings
+
+    shapes = {kind: webhook_body(WebhookSettings(url="http://127.0.0.1/h", kind=kind), "idle GPU")
+              for kind in ("slack", "mattermost", "matrix")}
+    assert shapes == {"slack": {"text": "idle GPU"},
+                      "mattermost": {"text": "idle GPU", "username": "det-lab watchdog"},
+                      "matrix": {"text": "idle GPU", "username": "det-lab watchdog"}}

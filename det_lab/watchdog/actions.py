@@ -52,7 +52,7 @@ def plan(holder: Holder, rule: IdleRule, det_lab_job: bool) -> Plan:
         return Plan("", "another tool's batch job: cancelled only with cancel_batch_jobs: true")
     if holder.kind == "determined" and holder.task_type in KILL_PATHS:
         return Plan("kill")
-    return Plan("", f"a {holder.what.split(' ', 1)[0].lower()} {holder.task_type or holder.kind} is warned only")
+    return Plan("", "the watchdog stops det_lab runs, Slurm jobs and Determined notebooks and shells; this is warned only")
 
 
 class ActionError(RuntimeError):
