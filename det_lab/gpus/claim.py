@@ -217,6 +217,6 @@ def _read_gpus() -> list[nvml.GpuReading]:
                         f"--set resources.slots_per_trial=0") from None
 
 
-def _interrupt(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
+def _interrupt(signum: int, frame: object) -> None:  # noqa: ARG001 (signal handler signature)
     raise KeyboardInterrupt
 

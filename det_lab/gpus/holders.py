@@ -13,6 +13,7 @@ import os
 import pwd
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROC = Path("/proc")
 _BOOT_ID = PROC / "sys/kernel/random/boot_id"
@@ -68,7 +69,7 @@ class ProcessId:
         return {"pid": self.pid, "start": self.start, "boot": self.boot}
 
     @classmethod
-    def from_dict(cls, d: dict) -> ProcessId:
+    def from_dict(cls, d: dict[str, Any]) -> ProcessId:
         return cls(int(d["pid"]), int(d["start"]), str(d["boot"]))
 
 

@@ -86,7 +86,7 @@ class Held:
 
 def state_dir() -> Path:
     """This machine's lease directory (``$DET_LAB_GPU_STATE_DIR``)."""
-    return env_value("DET_LAB_GPU_STATE_DIR", DEFAULT_STATE_DIR)
+    return Path(env_value("DET_LAB_GPU_STATE_DIR", DEFAULT_STATE_DIR))
 
 
 def shared_dir(path: Path) -> Path:
@@ -195,7 +195,7 @@ class HostBook:
              holder: ProcessId) -> Held:
         """A new lease on ``gpus`` for ``run``, journaled. Hold the lock, having checked they are free."""
         lease_id = uuid.uuid4().hex[:12]
-        data = {"lease": lease_id, "host": host_name(), "user": _me(), "run": run, "project": project,
+        data: dict[str, Any] = {"lease": lease_id, "host": host_name(), "user": _me(), "run": run, "project": project,
                 "template": template, "gpus": [{"index": i, "uuid": u} for i, u in gpus],
                 "holder": holder.as_dict(), "since": time.time()}
         held = Held(shared_dir(self.lease_dir) / f"{lease_id}.json", data, holder)

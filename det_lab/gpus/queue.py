@@ -33,14 +33,14 @@ def slurm_seconds(text: str) -> float:
     m = _SLURM_TIME.match(text.strip())
     if not m:
         raise ValueError(f"{text!r} is not a Slurm time")
-    days, a, b, c = (int(x) if x else None for x in m.groups())
-    if days is not None:  # D-HH[:MM[:SS]]
-        return days * 86400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
-    if b is None:
-        return (a or 0) * 60.0  # minutes
-    if c is None:
-        return a * 60 + b  # MM:SS
-    return a * 3600 + b * 60 + c
+    days, a, b, c = (int(x) if x else 0 for x in m.groups())
+    if m.group(1) is not None:  # D-HH[:MM[:SS]]
+        return float(days * 86400 + a * 3600 + b * 60 + c)
+    if m.group(3) is None:
+        return a * 60.0  # minutes
+    if m.group(4) is None:
+        return float(a * 60 + b)  # MM:SS
+    return float(a * 3600 + b * 60 + c)
 
 
 @dataclass
