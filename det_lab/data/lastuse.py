@@ -1,9 +1,9 @@
 """When each snapshot was last used, recorded by det_lab itself.
 
 ``atime`` cannot say it: NFS volumes are mounted ``noatime`` or ``relatime``, and a trial reads
-its files for days. Instead every pull of a snapshot (each trial's start goes through one)
-touches ``snapshots/<project>/.last-use/<snapshot>``: the file's modification time is the last
-use. A trial that trains for longer than gc's ``--days`` is kept by its run's live lock instead. ``det-lab data gc`` evicts snapshots whose last use is older
+its files for days. Instead every pull of a snapshot (each trial's start goes through one) and
+each checkpoint of a trial touches ``snapshots/<project>/.last-use/<snapshot>``: the file's
+modification time is the last use. ``det-lab data gc`` evicts snapshots whose last use is older
 than its ``--days``.
 """
 

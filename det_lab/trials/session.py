@@ -46,6 +46,8 @@ from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_vie
 from det_lab.trials.provenance import ENVIRONMENTS_DIR
 from det_lab.trials.record import RunRecord, record_for
 from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone, watch_parent
+from det_lab.data.directory import DIRECTORY_REV
+from det_lab.data.lastuse import note_use
 from det_lab.volume import VolumeLayout, share_with_group
 
 log = logging.getLogger("det_lab.trials")
@@ -171,9 +173,17 @@ class LabSession:
         step = int(metadata.get("steps_completed", 0))
         self.mirror.log_checkpoint(storage_id, step, {"dataset.md5": self.lineage.get("dataset", {}).get("md5", "")})
         self.mirror.flush(timeout=2)
+        self._note_dataset_use()
         if self.is_chief:
             self.record.add_checkpoint(storage_id, step)
             self._retain()
+
+    def _note_dataset_use(self) -> None:
+        """Record that the trial still reads its snapshot (``det-lab data gc`` evicts snapshots
+        by their last use; a cluster trial that trains for weeks pulled it only at its start)."""
+        ds = self.dataset.identity if self.dataset is not None else None
+        if ds is not None and ds.rev != DIRECTORY_REV:
+            note_use(VolumeLayout.from_settings(self.settings), ds.project, ds.md5.removesuffix(".dir"))
 
     def _retain(self) -> None:
         """Apply the experiment config's checkpoint retention to a local-style run (a master
