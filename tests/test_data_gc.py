@@ -286,3 +286,20 @@ def test_a_snapshot_left_half_evicted_by_a_killed_gc_is_removed_and_pulls_again(
     assert not aside.exists()
     again = data.pull("beta", settings)
     assert (again.path / "b.bin").read_bytes() == B_ONLY
+
+
+def test_a_run_record_that_cannot_be_read_keeps_its_projects_cache(vol):
+    lab, settings, _ = vol
+    layout = VolumeLayout(settings.data_root)
+    cache = layout.dvc_cache("vla")
+    before = objects(cache)
+    broken = layout.outputs("vla") / "local-runs" / "broken"
+    broken.mkdir(parents=True)
+    (broken / "run.json").write_text('{"name": "broken", "lineage": ')  # a write cut short
+    age(layout, "vla")
+    proc = lab.cli("data", "gc", "--days", "7", "--yes", check=True)
+    assert f"{broken / 'run.json'} cannot be read" in proc.stderr
+    assert objects(cache) == before and md5(A_OLD) in before  # v1's objects: no recorded run keeps them, yet
+    (broken / "run.json").unlink()
+    lab.cli("data", "gc", "--days", "7", "--yes", check=True)
+    assert md5(A_OLD) not in objects(cache)
