@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from det_lab.cluster.config import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts
+from det_lab.cluster.config import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts, task_config_path
 from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.cluster.secrets import ADMIN_PASSWORD_FILE, DB_PASSWORD_FILE
 from det_lab.cluster.settings import ClusterSettings
@@ -168,6 +168,8 @@ def up_plan(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id:
             FilePlan(db_file, 0o600, True, "database password (generated if missing)"),
             FilePlan(master_yaml_path(private), 0o600, True, "master.yaml with initial_user_password"),
             FilePlan(agent_yaml_path(private, agent_id), 0o600, False, f"agent.yaml (pool {pool})"),
+            FilePlan(task_config_path(lab), 0o644, False, "the lab config every task reads (DET_LAB_CONFIG)"),
+            FilePlan(cluster.tasks.local_cache, 0o2775, False, "this agent's task cache, mounted into every task"),
         ],
         task_mounts=bind_mounts(lab, cluster),
     )
@@ -192,6 +194,8 @@ def agent_plan(cluster: ClusterSettings, private: Path, agent_id: str, pool: str
     )
     plan.notes.append(f"mount the shared volume at the same path as on the master before starting "
                       f"(task mounts and checkpoints use host paths); waits for {cluster.master_url}/info")
+    plan.notes.append(f"makes {cluster.tasks.local_cache} (the task cache every task mounts) and refreshes "
+                      f"the lab config tasks read on the volume")
     plan.notes += unpinned_notes(cluster, ("agent",))
     return plan
 
