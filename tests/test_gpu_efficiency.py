@@ -52,7 +52,8 @@ def gpu_lab(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg"), COLUMNS="200",
                LD_LIBRARY_PATH=str(nvml["lib"]), NVML_SHIM_CONFIG=str(nvml["config"]),
-               CUDA_VISIBLE_DEVICES=GPU0, DET_LAB_GPU_SAMPLE_INTERVAL="0.2")
+               CUDA_VISIBLE_DEVICES=GPU0, DET_LAB_GPU_SAMPLE_INTERVAL="0.2",
+               DET_LAB_GPU_STATE_DIR=str(tmp / "gpu-state"))  # this module's GPU leases: not another test's
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "none"})
     settings = load_settings(lab.config, env={})

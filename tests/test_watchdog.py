@@ -83,7 +83,8 @@ def make_lab(tmp_path: Path, webhook_url: str | None = None, **watchdog) -> Lab:
     sendmail.write_text(f"#!/bin/sh\ncat > {tmp_path / 'mail'}/$$.eml\n")
     sendmail.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
-    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CONFIG_HOME=str(tmp_path / "xdg"), COLUMNS="200")
+    env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CONFIG_HOME=str(tmp_path / "xdg"), COLUMNS="200",
+               DET_LAB_GPU_STATE_DIR=str(tmp_path / "gpu-state"))  # this test's GPU leases: not another test's
     lab = Lab(root=tmp_path / "data", config=tmp_path / "lab.yaml", env=env)
     section = {"interval": INTERVAL, "rule": {"window": WINDOW, "grace": GRACE},
                "mail": {"domain": "lab.example", "sendmail": str(sendmail)}, **watchdog}
