@@ -60,9 +60,12 @@ def test_up_dry_run_plan(lab):
     assert c["agent"]["name"] == "gpu-a" and c["agent"]["network_mode"] == "host"
     assert c["agent"]["env"]["DET_RESOURCE_POOL"] == "default"
     assert plan["networks"] == ["determined_default"] and plan["volumes"] == ["determined_determined-db-volume"]
-    # secrets: only where they come from, never a value; every planned file is owner-only
+    # secrets: only where they come from, never a value; every planned file in the private dir is
+    # owner-only; the lab config tasks read is on the volume, readable, and holds no secret
     assert c["master"]["env"] == {"DET_DB_PASSWORD": f"<from {private / 'db-password'}>"}
-    assert all(f["mode"] == "0600" for f in plan["files"])
+    assert all(f["mode"] == "0600" for f in plan["files"] if f["path"].startswith(str(private)))
+    files = {f["path"]: f for f in plan["files"]}
+    assert files[f"{lab.root}/.det-lab/lab.yaml"]["mode"] == "0644" and not files[f"{lab.root}/.det-lab/lab.yaml"]["secret"]
     task = {m["container_path"]: m for m in plan["task_mounts"]}
     assert task[f"{lab.root}/datasets"]["read_only"] and task[f"{lab.root}/outputs"]["read_only"] is False
     # a dry run creates nothing
