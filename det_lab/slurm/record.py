@@ -51,6 +51,12 @@ class SlurmRunRecord(LocalRunRecord):
         self.update(slurm=slurm)
         return attempt
 
+    @classmethod
+    def scheduler_listing(cls) -> Any:
+        from det_lab.slurm import submit
+
+        return submit.one_listing()
+
     def scheduled(self, state: dict[str, Any]) -> str | None:
         """The run's Slurm job while Slurm still runs or queues it (a requeued job too, whatever
         run.json says). A job Slurm cannot be asked about counts as scheduled unless run.json

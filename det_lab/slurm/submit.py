@@ -7,12 +7,13 @@ the fix. A job whose submission fails leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 #: Slurm job states after which a job will not run again
@@ -110,8 +111,40 @@ def sbatch(script: str) -> str:
     return proc.stdout.strip().split(";")[0]
 
 
+#: within :func:`one_listing`: every job Slurm knows, id -> state, from a single squeue
+_LISTING: dict[str, str] | None = None
+
+
+@contextlib.contextmanager
+def one_listing() -> Iterator[None]:
+    """Within the block :func:`job_state` answers from one ``squeue`` of every job Slurm knows:
+    a plan over thousands of runs asks Slurm once, not once per run. Where squeue fails, each
+    question goes to Slurm as usual (and says why)."""
+    global _LISTING
+    listing: dict[str, str] | None = None
+    try:
+        proc = _slurm("squeue", "-h", "--states=all", "-r", "-o", "%i|%T")
+        if proc.returncode == 0:
+            listing = {}
+            for line in proc.stdout.splitlines():
+                job, _, state = line.strip().partition("|")
+                listing.setdefault(job, state)
+                listing.setdefault(job.split("_", 1)[0], state)  # an array's id answers for its first task
+    except SlurmError:
+        pass
+    previous, _LISTING = _LISTING, listing
+    try:
+        yield
+    finally:
+        _LISTING = previous
+
+
 def job_state(job_id: str) -> dict[str, str] | None:
-    """``scontrol show job`` as a dict (an array gives its first task), or None once Slurm forgot the job."""
+    """``scontrol show job`` as a dict (an array gives its first task), or None once Slurm forgot the job.
+    Inside :func:`one_listing` only ``JobState`` is given."""
+    if _LISTING is not None:
+        state = _LISTING.get(str(job_id))
+        return None if state is None else {"JobId": str(job_id), "JobState": state}
     proc = _slurm("scontrol", "show", "job", "-o", job_id)
     if proc.returncode != 0 or not proc.stdout.strip():
         return None

@@ -21,6 +21,7 @@ it. A run killed on the way is still marked (or hidden): the next ``runs prune``
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import getpass
 import os
@@ -72,6 +73,7 @@ class PlannedRun:
     trackers: list[str] = field(default_factory=list)  # what the tracker side will do, in words
     refused: str | None = None  # why this run is not deleted
     record: Any = field(default=None, repr=False)  # its run record (of its kind)
+    state: dict[str, Any] = field(default_factory=dict, repr=False)  # its run.json as read
 
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "project": self.project, "kind": self.kind, "owner": self.owner,
@@ -190,13 +192,21 @@ def _planned(settings: LabSettings, run: LocalRunRecord, owners: dict[int, str])
     owner = state.get("user") or user_name(run.run_file.stat().st_uid, owners)
     planned = PlannedRun(str(state.get("name") or run.dir.name), project_of(conf), run.kind, owner,
                          status_of(run, state), run.dir, run.run_file.stat().st_mtime, record=run)
-    planned.refused = live(run, state)
+    planned.state = state
     root = VolumeLayout.from_settings(settings).experiment_checkpoints(planned.project, conf)
     for entry in state.get("checkpoints") or []:
         path = retention.checkpoint_path(root, str(entry.get("uuid")))
         if path is not None and os.path.lexists(path):
             planned.checkpoints.append(path)
     return planned
+
+
+def _listings(runs: list[PlannedRun]) -> contextlib.ExitStack:
+    """One scheduler listing for each kind of run among ``runs`` (not one question per run)."""
+    stack = contextlib.ExitStack()
+    for kind in {type(p.record) for p in runs if p.record is not None}:
+        stack.enter_context(kind.scheduler_listing())
+    return stack
 
 
 def _all_runs(settings: LabSettings, projects: Iterable[str] | None = None) -> list[LocalRunRecord]:
@@ -207,7 +217,7 @@ def _all_runs(settings: LabSettings, projects: Iterable[str] | None = None) -> l
 def _finish(settings: LabSettings, plan: Plan, every: list[LocalRunRecord]) -> Plan:
     """Sizes, permissions, shared checkpoints and tracker words for the runs a plan would delete."""
     chosen = {r.dir for r in plan.runs}
-    others = [r for r in every if r.dir not in chosen]
+    others = retention.checkpoint_users(r for r in every if r.dir not in chosen) if plan.runs else {}
     for p in list(plan.runs):
         if p.refused is None:
             p.refused = cannot_remove(p.dir) or next((why for why in map(cannot_remove, p.checkpoints) if why), None)
@@ -243,6 +253,9 @@ def plan_delete(settings: LabSettings, names: list[str]) -> Plan:
         if planned is None:
             raise PruneError(f"run {name} was deleted meanwhile")
         plan.runs.append(planned)
+    with _listings(plan.runs):
+        for p in plan.runs:
+            p.refused = p.refused or live(p.record, p.state)
     _finish(settings, plan, every)
     if plan.refused:
         first = plan.refused[0]
@@ -266,7 +279,7 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
             raise PruneError(str(exc)) from None
     every = _all_runs(settings)
     now = time.time() if now is None else now
-    plan, owners = Plan(), {}
+    plan, owners, chosen = Plan(), {}, []
     for run in every:
         if project and run.dir.parent.parent.name != project:
             continue
@@ -277,7 +290,11 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
             continue
         if wanted is not None and p.status not in wanted and p.status != "deleting":
             continue
-        (plan.refused if p.refused else plan.runs).append(p)
+        chosen.append(p)
+    with _listings(chosen):  # a run's liveness only for the runs the filters chose
+        for p in chosen:
+            p.refused = p.refused or live(p.record, p.state)
+            (plan.refused if p.refused else plan.runs).append(p)
     plan.runs.sort(key=lambda r: (r.project, r.changed))
     return _finish(settings, plan, every)
 

@@ -22,6 +22,7 @@ local-style record: subclass :class:`LocalRunRecord`, set ``kind`` and ``runs_di
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -288,6 +289,12 @@ class LocalRunRecord(RunRecord):
     @classmethod
     def runs_root(cls, layout: VolumeLayout, project: str) -> Path:
         return layout.outputs(project) / cls.runs_dirname
+
+    @classmethod
+    def scheduler_listing(cls) -> contextlib.AbstractContextManager[None]:
+        """A block within which :meth:`scheduled` of many runs of this kind asks the scheduler
+        once (a Slurm run's overrides it); nothing to do for local runs."""
+        return contextlib.nullcontext()
 
     def scheduled(self, state: dict[str, Any]) -> str | None:
         """Why a scheduler will still start or is running this run's trial (a queued job, a local

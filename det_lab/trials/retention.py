@@ -263,21 +263,35 @@ def delete_marked(record: Any, root: Path, reason: str, only: set[str] | None = 
     return outcome
 
 
-def used_elsewhere(records: Iterable[Any], own_dir: Path, uuids: set[str]) -> dict[str, str]:
-    """Which of ``uuids`` another run lists (its checkpoints or resume point): uuid -> that run."""
-    out: dict[str, str] = {}
-    if not uuids:
-        return out
+def checkpoint_users(records: Iterable[Any]) -> dict[str, list[tuple[Path, str]]]:
+    """Every checkpoint uuid the runs of ``records`` list (their checkpoints or resume point) ->
+    (run directory, run name) of each, reading each run.json once."""
+    users: dict[str, list[tuple[Path, str]]] = {}
     for other in records:
-        if Path(other.dir) == Path(own_dir):
-            continue
         try:
             st = other.state()
         except (OSError, ValueError):
             continue
         listed = {str(e.get("uuid")) for e in st.get("checkpoints") or []} | {str(st.get("latest_checkpoint"))}
-        for u in uuids & listed:
-            out.setdefault(u, str(st.get("name") or Path(other.dir).name))
+        who = (Path(other.dir), str(st.get("name") or Path(other.dir).name))
+        for u in listed:
+            users.setdefault(u, []).append(who)
+    return users
+
+
+def used_elsewhere(records: Iterable[Any] | dict[str, list[tuple[Path, str]]], own_dir: Path,
+                   uuids: set[str]) -> dict[str, str]:
+    """Which of ``uuids`` another run lists (its checkpoints or resume point): uuid -> that run.
+    ``records`` may be :func:`checkpoint_users` of them, made once for many questions."""
+    if not uuids:
+        return {}
+    users = records if isinstance(records, dict) else checkpoint_users(records)
+    out: dict[str, str] = {}
+    for u in uuids:
+        for run_dir, name in users.get(u, ()):
+            if run_dir != Path(own_dir):
+                out.setdefault(u, name)
+                break
     return out
 
 
