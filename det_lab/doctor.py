@@ -119,7 +119,7 @@ def _volume_checks(settings: LabSettings, mounts_file: Path) -> Iterator[Check]:
     if not root.is_dir():
         yield Check(
             "data root", "fail", f"{root} does not exist" if not root.exists() else f"{root} is not a directory",
-            f"mount the shared NFS volume at {root} (see cluster/README.md), or for one machine set "
+            f"mount the shared NFS volume at {root} (see docs/admin/volume.md), or for one machine set "
             "DET_LAB_DATA_ROOT to a local directory, then run 'det-lab init'",
         )
         return

@@ -95,7 +95,7 @@ def _path(text: str) -> Path:
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One environment variable det_lab reads: how to parse it and what it is for (README table)."""
+    """One environment variable det_lab reads: how to parse it and what it is for (docs/reference/environment.md)."""
 
     parse: Callable[[str], Any]
     help: str

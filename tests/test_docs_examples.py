@@ -146,3 +146,33 @@ def test_a_failing_command_is_caught(demo):
     assert codes[0] == 0 and codes[1] != 0
     assert Block("x.md", 1, "console", "$ det-lab a \\\n  --b\noutput\n$ det-lab c # note\n", None).commands == [
         "det-lab a --b", "det-lab c # note"]
+
+
+# --- the front page ------------------------------------------------------------------------
+
+_LINK = re.compile(r"\]\((?P<target>[^)#\s]+\.md)(?:#(?P<anchor>[^)\s]+))?\)")
+
+
+def _anchors(page: Path) -> set[str]:
+    """The ids mkdocs (and GitHub) give the headings of ``page``."""
+    ids = set()
+    for line in page.read_text(encoding="utf-8").splitlines():
+        if line.startswith("#"):
+            title = re.sub(r"[`*]", "", line.lstrip("#").strip()).lower()
+            ids.add(re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", title)).strip("-"))
+    return ids
+
+
+def test_the_front_page_is_short_and_each_link_resolves():
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) < 200, "README.md is the front page: move sections into docs/"
+    assert "bash tests/setup.sh && python -m pytest" in readme  # .ci/run greps for it
+    broken = []
+    for m in _LINK.finditer(readme):
+        page = REPO / m.group("target")
+        if not page.is_file() or (m.group("anchor") and m.group("anchor") not in _anchors(page)):
+            broken.append(m.group(0))
+    assert not broken, broken
+    # a newcomer reaches the two tasks the issue names in one click from here
+    assert "docs/researchers/slurm.md#train-on-your-own-lerobot-dataset" in readme
+    assert "docs/admin/accounting.md#add-a-member-with-a-gpu-limit" in readme

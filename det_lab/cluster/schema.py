@@ -184,7 +184,7 @@ def master_errors(conf: dict[str, Any]) -> list[str]:
                       "change the host port with master_port instead")
     if (conf.get("security") or {}).get("tls"):
         errors.append("security.tls: det deploy local cannot run a TLS master (health checks are plain "
-                      "HTTP); put a TLS proxy in front (cluster/README.md)")
+                      "HTTP); put a TLS proxy in front (docs/admin/cluster.md)")
     cs = conf["checkpoint_storage"]
     if cs["type"] == "shared_fs":
         host = cs.get("host_path")

@@ -339,7 +339,7 @@ class ClusterSettings(StrictModel):
             raise ValueError(
                 f"scheduler.numa_packing: only the community fork's master 0.42+ reads it, and an earlier "
                 f"master refuses to start with it (images.version is {self.images.version}); remove it or "
-                "run the fork's images (README: The community fork)")
+                "run the fork's images (docs/admin/fork.md)")
         seen: set[Path] = set()
         for m in self.bind_mounts:
             target = m.container_path or m.host_path
