@@ -290,7 +290,7 @@ def alerts_page() -> str:
         summary = r["annotations"]["summary"]
         names = list(dict.fromkeys(re.findall(r"\$labels\.(\w+)", summary)))
         out.append(f"| `{r['alert']}` | {r['labels']['severity']} | {r['for']} | {_cell(MEANINGS[r['alert']])} | "
-                   f"{', '.join(f'`{n}`' for n in names) or '—'} | {_cell(summary.replace('{{', '{').replace('}}', '}'))} |\n")
+                   f"{', '.join(f'`{n}`' for n in names) or '—'} | {_cell(summary)} |\n")
     return "".join(out)
 
 
