@@ -85,7 +85,7 @@ def cli_page() -> str:
             host = socket.gethostname()  # a default that is this machine's name reads the same everywhere
             default = "this host's name" if default in (host, host.split(".")[0]) else default
             # a pipe cannot be escaped inside a code span of a table cell: such a name is plain text
-            name_cell = _cell(opts) if "|" in opts else f"`{opts}`"
+            name_cell = _cell(opts).replace("<", "&lt;") if "|" in opts else f"`{opts}`"
             rows.append(f"| {name_cell} | {_cell(kind)} | {_cell(default)} | {_cell(text)} |\n")
         if rows:
             out.append("| argument or option | type | default | what it does |\n|---|---|---|---|\n")
