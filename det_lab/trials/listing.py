@@ -174,18 +174,24 @@ def _read_entries(directories: list[str]) -> list[dict[str, Any] | tuple[str, st
     return [_entry_or_error(d) for d in directories]
 
 
+def user_cache(data_root: Path, stem: str) -> tuple[Path, dict[str, Any]]:
+    """This user's cache file ``<stem>-<volume>.json`` of the volume at ``data_root`` on local disk
+    (``$XDG_CACHE_HOME/det-lab``), and what it holds (empty when missing or unreadable)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
+    volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
+    path = base / f"{stem}-{volume}.json"
+    try:
+        entries = loads(path.read_bytes())
+    except (OSError, ValueError):
+        return path, {}
+    return path, entries if isinstance(entries, dict) else {}
+
+
 class ListingCache:
     """The last listing of the volume at ``data_root``, as this user saw it (see the module doc)."""
 
     def __init__(self, data_root: Path) -> None:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
-        volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
-        self.path = base / f"runs-{volume}.json"
-        try:
-            entries = loads(self.path.read_bytes())
-            self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError):
-            self.entries = {}
+        self.path, self.entries = user_cache(data_root, "runs")
         self.seen: dict[str, Any] = {}
         #: runs read from their files in this listing (not from the cache)
         self.read_again = 0

@@ -10,7 +10,6 @@ A run whose ``run.json`` cannot be read keeps its whole project's cache: what it
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -22,6 +21,7 @@ from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
+from det_lab.trials.listing import user_cache
 from det_lab.trials.record import RUN_FILE, run_dirs
 from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout, atomic_write_text
@@ -57,14 +57,7 @@ class FactsCache:
     cache that cannot be read or written is ignored."""
 
     def __init__(self, data_root: Path) -> None:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
-        volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
-        self.path = base / f"run-facts-{volume}.json"
-        try:
-            entries = loads(self.path.read_bytes())
-            self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
-        except (OSError, ValueError):
-            self.entries = {}
+        self.path, self.entries = user_cache(data_root, "run-facts")
         self.seen: dict[str, Any] = {}
         self.read_again = 0
 
