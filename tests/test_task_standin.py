@@ -11,6 +11,7 @@ import grp
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import uuid
 from pathlib import Path
@@ -24,7 +25,8 @@ from det_lab.settings import load_settings
 from tests.task_standin import Image, LinkedUser, env_list, experiment_config, pool_defaults, run_trial
 from tests.test_shared_volume import _add_user, _venv_for
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "experiment_templates"
+REPO = Path(__file__).resolve().parents[1]
+TEMPLATES = REPO / "experiment_templates"
 HOOK_TEMPLATES = ("vla", "gaussian_splatting", "isaac_lab")
 
 needs_sandbox = pytest.mark.skipif(
@@ -171,7 +173,9 @@ class Lab:
         return LinkedUser(user.name, user.uid, user.gid, [self.gid])
 
     def image(self) -> Image:
-        return Image(self.bin, dirs=[self.bin.parent])
+        # the image's Python: the members' venv, the test venv its .pth names and this checkout
+        # (det_lab installed editable), wherever they lie (a CI clone under /tmp too)
+        return Image(self.bin, dirs=[self.bin.parent, Path(sys.prefix).resolve(), REPO])
 
 
 @pytest.fixture(scope="module")
