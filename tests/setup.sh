@@ -15,6 +15,7 @@ DEBIAN_PACKAGES=(
   mariadb-server  # slurmdbd's database
   prometheus      # prometheus + promtool: monitoring tests
   postgresql      # a real PostgreSQL standing in for the Determined master's (cluster backups)
+  bubblewrap      # bwrap: the Determined trial container's stand-in (tests/task_standin.py)
 )
 # FFmpeg's shared libraries for torchcodec (LeRobot's and det_lab's video decoder); without their
 # recommends, which are codecs' hardware drivers the tests do not use
