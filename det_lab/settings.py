@@ -29,6 +29,7 @@ from urllib.parse import urlparse
 import yaml
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, field_validator
 
+from det_lab.errors import UserError
 from det_lab.watchdog_settings import WatchdogSettings
 
 DEFAULT_DATA_ROOT = Path("/mnt/data")
@@ -52,7 +53,7 @@ _PROJECT_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]{0,62}$")
 _SIZE = re.compile(r"\s*(\d+(\.\d+)?|\.\d+)\s*([a-zA-Z]{1,3})?\s*")
 
 
-class LabConfigError(ValueError):
+class LabConfigError(UserError, ValueError):
     """A lab configuration problem, phrased as one line for the user."""
 
 

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from det_lab.errors import UserError
+
 TEMPLATES_ENV = "DET_LAB_TEMPLATES"
 #: the names templates are known by (help, errors, listings), and their directories
 NAMES = {"vla": "vla", "3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
@@ -28,7 +30,7 @@ _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 _PACKAGE = Path(__file__).resolve().parent
 
 
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     """An unknown template, or a copy that cannot be made; one line naming the fix."""
 
 

@@ -27,6 +27,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+from det_lab.errors import UserError
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
@@ -267,7 +268,7 @@ def project_usage(layout: VolumeLayout, project: str) -> int:
     return disk_usage(*layout.project_dirs(project))
 
 
-class QuotaExceeded(RuntimeError):
+class QuotaExceeded(UserError, RuntimeError):
     """Raised before writing when a project would go over its quota."""
 
 

@@ -16,6 +16,7 @@ import pwd
 import subprocess
 from dataclasses import dataclass, field
 
+from det_lab.errors import UserError
 from det_lab.slurm.settings import AccountingSettings, SlurmSettings
 
 MARK = "det-lab"
@@ -24,7 +25,7 @@ PROTECTED_ACCOUNTS = {"root"}
 PROTECTED_USERS = {"root"}
 
 
-class AccountingError(RuntimeError):
+class AccountingError(UserError, RuntimeError):
     """sacctmgr is missing, cannot reach slurmdbd, or refused: one line."""
 
 

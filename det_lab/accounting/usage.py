@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from det_lab.errors import UserError
 from det_lab.accounting.limits import gpus_in
 
 if TYPE_CHECKING:
@@ -33,7 +34,7 @@ _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 GROUPS = ("user", "project", "template")
 
 
-class UsageError(ValueError):
+class UsageError(UserError, ValueError):
     """sacct failed or an option is wrong: one line."""
 
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.settings import LabSettings
 
@@ -50,7 +51,7 @@ _USER_RELATIONS_SQL = ("SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n
 INSTALL_CLIENT = "install PostgreSQL's client tools (Debian: postgresql-client) or set backup.pg_bin"
 
 
-class BackupError(RuntimeError):
+class BackupError(UserError, RuntimeError):
     """A backup or restore problem, phrased as one line for the user."""
 
 

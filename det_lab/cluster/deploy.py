@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from det_lab.errors import UserError
 from det_lab.cluster import schema
 from det_lab.cluster.bind_sources import check_bind_sources
 from det_lab.cluster.config import DB_HOST, prepare_local_cache, publish_task_config, render_agent, render_master
@@ -52,7 +53,7 @@ INSTALL_DOCKER = ("install Docker Engine (https://docs.docker.com/engine/install
                   "toolkit, start the daemon, and add your user to group 'docker'")
 
 
-class DeployError(RuntimeError):
+class DeployError(UserError, RuntimeError):
     """A deployment problem, phrased as one line for the user."""
 
 

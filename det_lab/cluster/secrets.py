@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.mounts import NETWORK_FS, mount_of, parse_mounts
 
 PASSWORD_LENGTH = 24
@@ -38,7 +39,7 @@ DB_PASSWORD_FILE = "db-password"
 _ALPHABET = string.ascii_letters + string.digits
 
 
-class SecretError(ValueError):
+class SecretError(UserError, ValueError):
     """A problem with a secret or its file, phrased as one line."""
 
 

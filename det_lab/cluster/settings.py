@@ -21,6 +21,7 @@ from typing import Literal, get_args
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
+from det_lab.errors import UserError
 from det_lab.compat import DETERMINED_VERSION
 from det_lab.settings import LabSettings, StrictModel, env_value, read_section_file
 
@@ -43,7 +44,7 @@ NotebookIdleType = Literal["kernels_or_terminals", "kernel_connections", "activi
 NOTEBOOK_IDLE_TYPES: tuple[str, ...] = get_args(NotebookIdleType)
 
 
-class ClusterConfigError(ValueError):
+class ClusterConfigError(UserError, ValueError):
     """A cluster configuration problem, phrased as one line for the user."""
 
 

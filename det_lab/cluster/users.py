@@ -24,11 +24,12 @@ import pwd
 import shlex
 from dataclasses import dataclass
 
+from det_lab.errors import UserError
 from det_lab.cluster.settings import ClusterSettings, TaskUser
 from det_lab.settings import LabSettings
 
 
-class UserMappingError(ValueError):
+class UserMappingError(UserError, ValueError):
     """A user that cannot be mapped, phrased as one line."""
 
 

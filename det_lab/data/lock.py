@@ -17,6 +17,7 @@ from pathlib import Path
 
 from flufl.lock import Lock, NotLockedError, TimeOutError
 
+from det_lab.errors import UserError
 from det_lab.settings import env_value
 
 DEFAULT_LIFETIME_S = 60
@@ -52,7 +53,7 @@ class HostLock(Lock):
         self._set_claimfile()  # the claim file's name carries the host
 
 
-class LockTimeout(TimeoutError):
+class LockTimeout(UserError, TimeoutError):
     """Raised when the lock was held by a live process for longer than we would wait."""
 
 

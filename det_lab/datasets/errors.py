@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from det_lab.errors import UserError
 
 
-class LeRobotDatasetError(ValueError):
+class LeRobotDatasetError(UserError, ValueError):
     """A malformed or unreadable LeRobot dataset; the message is ``<file>: <problem>``."""
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from det_lab.errors import UserError
 from det_lab.monitoring.dashboards import DASHBOARDS, Panel
 
 _DURATION = re.compile(r"^(\d+)([smhdw])$")
@@ -24,7 +25,7 @@ _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 POINTS = 240
 
 
-class ReportError(RuntimeError):
+class ReportError(UserError, RuntimeError):
     """Prometheus did not answer, or a bad period."""
 
 

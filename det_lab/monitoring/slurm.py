@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client.core import Metric
 
+from det_lab.errors import UserError
 from det_lab.monitoring.collector import Families
 
 #: states after which a job holds nothing and waits for nothing (SchedMD squeue "JOB STATE CODES")
@@ -36,7 +37,7 @@ _GPU_COUNT = re.compile(r"gpu(?::[A-Za-z0-9_.-]+)?:(\d+)")
 COMMAND_TIMEOUT = 30.0
 
 
-class SlurmSourceError(RuntimeError):
+class SlurmSourceError(UserError, RuntimeError):
     """A Slurm command that did not answer."""
 
 

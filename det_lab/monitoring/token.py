@@ -12,12 +12,13 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.volume import atomic_write_text
 
 LOGIN_PATH = "/api/v1/auth/login"
 
 
-class TokenError(RuntimeError):
+class TokenError(UserError, RuntimeError):
     """The master did not give a token."""
 
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from det_lab.errors import UserError
 from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.net import http_answers
 from det_lab.notebook.plots import output_dir
@@ -64,7 +65,7 @@ def choose_mode(settings: LabSettings | None = None, timeout: float = 3.0) -> Mo
 
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     """A run that could not start or did not finish, with the reason in the message."""
 
 

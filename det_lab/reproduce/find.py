@@ -16,6 +16,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from det_lab.errors import UserError
 from det_lab.settings import LabSettings
 from det_lab.trials.record import ClusterRunRecord, LocalRunRecord, iter_records
 from det_lab.volume import VolumeLayout
@@ -24,7 +25,7 @@ _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{1
 _HEX = re.compile(r"^[0-9a-f]{16,64}$")
 
 
-class ReproduceError(RuntimeError):
+class ReproduceError(UserError, RuntimeError):
     """Why a run cannot be found or rebuilt, as one line."""
 
 

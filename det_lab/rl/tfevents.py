@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
+from det_lab.errors import UserError
 
 try:
     import google_crc32c as _gcrc
@@ -50,7 +51,7 @@ def masked_crc(data: bytes) -> int:
     return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
-class TfEventsError(ValueError):
+class TfEventsError(UserError, ValueError):
     """A corrupt record in an events file."""
 
 

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+from det_lab.errors import UserError
 
 
-class ColmapError(ValueError):
+class ColmapError(UserError, ValueError):
     """A broken or unreadable COLMAP model or scene, as one line naming the file."""
 
 

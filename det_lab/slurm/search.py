@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from det_lab.errors import UserError
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.volume import atomic_write_text
 
@@ -43,7 +44,7 @@ JOURNAL_FILE = "optuna.journal"
 SEARCHERS = ("random", "adaptive_asha")
 
 
-class SearchConfigError(ValueError):
+class SearchConfigError(UserError, ValueError):
     """An experiment config's search that cannot run on Slurm, as one line."""
 
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, Field, ValidationError, field_validator, model_validator
 
+from det_lab.errors import UserError
 from det_lab.settings import LabSettings, StrictModel, env_value, read_section_file
 
 SLURM_FILE = "slurm.yaml"
@@ -47,7 +48,7 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 _TIME = re.compile(r"^(INFINITE|UNLIMITED|\d+|\d+:\d{2}|\d+:\d{2}:\d{2}|\d+-\d+(:\d{2}){0,2})$")
 
 
-class SlurmConfigError(ValueError):
+class SlurmConfigError(UserError, ValueError):
     """A Slurm configuration problem, phrased as one line for the user."""
 
 

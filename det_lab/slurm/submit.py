@@ -15,6 +15,7 @@ import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from det_lab.errors import UserError
 
 #: Slurm job states after which a job will not run again
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
@@ -22,7 +23,7 @@ FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT
 _GPU = re.compile(r"gpu(?::[^:,(]+)?:(\d+)")
 
 
-class SlurmError(RuntimeError):
+class SlurmError(UserError, RuntimeError):
     """Slurm is missing or refused; phrased as one line with the fix."""
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 
+from det_lab.errors import UserError
 from det_lab.tracking.events import Event, Metrics, RunInfo, from_record, to_record
 from det_lab.volume import atomic_write_text
 
@@ -37,7 +38,7 @@ READ_BYTES = 1 << 20
 Marks = dict[str, dict[str, int]]  # group -> metric key -> highest step journaled
 
 
-class JournalError(Exception):
+class JournalError(UserError):
     """A journal that cannot be used as it is (no run.json, no recorded targets)."""
 
 

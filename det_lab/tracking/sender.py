@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.tracking.backend import TrackerBackend
 from det_lab.tracking.journal import Cursor, Journal, JournalReader
 
@@ -61,7 +62,7 @@ def backend_for(name: str, target: str) -> TrackerBackend:
     raise ValueError(f"unknown tracking backend {name!r}")
 
 
-class Busy(Exception):
+class Busy(UserError):
     """Another sender holds this journal's lock for this backend."""
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import ValidationError, model_validator
 
+from det_lab.errors import UserError
 from det_lab.data import DatasetSpec
 from det_lab.data.directory import DirectorySpec
 from det_lab.settings import StrictModel
@@ -75,7 +76,7 @@ class LabTrialConfig(StrictModel):
         return DatasetSpec(self.project, self.dataset.repo, self.dataset.path, self.dataset.rev)
 
 
-class ExpConfError(ValueError):
+class ExpConfError(UserError, ValueError):
     """A problem in an experiment config, as one line naming the key."""
 
 

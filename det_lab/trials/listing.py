@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
                                    parse_run_file)
@@ -124,7 +125,7 @@ def read_entry(directory: str) -> dict[str, Any] | None:
     return {"key": [read[1], metrics_key], "state": state, "step": step, "validation": validation}
 
 
-class Unlisted(ValueError):
+class Unlisted(UserError, ValueError):
     """A run a listing cannot show: its run.json ``damaged`` or ``unreadable`` (``status``)."""
 
     def __init__(self, status: str, message: str) -> None:

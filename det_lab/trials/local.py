@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from det_lab.errors import UserError
 from det_lab import templates
 from det_lab.data.git import describe_commit
 from det_lab.settings import LabSettings, read_yaml_mapping
@@ -40,7 +41,7 @@ DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
 
 
-class RunError(RuntimeError):
+class RunError(UserError, RuntimeError):
     """A problem starting a local run, phrased as one line."""
 
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from flufl.lock import NotLockedError
 
+from det_lab.errors import UserError
 from det_lab.data.lock import HostLock, LockTimeout, VolumeLock, pid_alive
 from det_lab.settings import env_value
 
@@ -43,7 +44,7 @@ _PR_SET_PDEATHSIG = 1
 BUSY_EXIT_CODE = 75
 
 
-class RunBusy(RuntimeError):
+class RunBusy(UserError, RuntimeError):
     """A live process is training the run."""
 
 

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from det_lab.errors import UserError
 from det_lab.settings import LabConfigError, LabSettings, check_writable
 
 SEARCHERS = ("single", "random", "grid", "adaptive_asha", "async_halving")
@@ -29,7 +30,7 @@ REMOVED_SEARCHERS = ("custom", "adaptive", "adaptive_simple", "sync_halving")
 HP_TYPES = ("int", "double", "log", "const", "categorical")
 
 
-class PreflightError(ValueError):
+class PreflightError(UserError, ValueError):
     """An experiment config a run must not start with, as one line."""
 
 

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.settings import LabSettings
 from det_lab.watchdog.holders import Holder
 from det_lab.watchdog_settings import IdleRule
@@ -55,7 +56,7 @@ def plan(holder: Holder, rule: IdleRule, det_lab_job: bool) -> Plan:
     return Plan("", "the watchdog stops det_lab runs, Slurm jobs and Determined notebooks and shells; this is warned only")
 
 
-class ActionError(RuntimeError):
+class ActionError(UserError, RuntimeError):
     """An action that did not happen (journaled as not done; tried again at the next pass)."""
 
 
