@@ -29,9 +29,8 @@ from det_lab.trials.expconf import lab_section
 from det_lab.trials.distributed import off_cluster_distributed
 from det_lab.trials.harness import harness_shims
 from det_lab.trials.identity import read_identity
-from det_lab.trials.session import LabSession
+from det_lab.trials.session import LabSession, local_checkpoint_dir  # noqa: F401  (det_lab.core.local_checkpoint_dir)
 from det_lab.trials.surface import TrialSurface
-from det_lab.volume import VolumeLayout
 
 
 @dataclass
@@ -46,11 +45,6 @@ class LabContext(TrialSurface):
         if name in ("core", "session"):  # not set yet (copy/unpickle): no recursion
             raise AttributeError(name)
         return getattr(self.core, name)
-
-
-def local_checkpoint_dir(settings: LabSettings, project: str, exp_conf: dict[str, Any] | None = None) -> Path:
-    """Where off-cluster checkpoints go: where the cluster puts them (``<data root>/checkpoints/<project>``)."""
-    return VolumeLayout.from_settings(settings).experiment_checkpoints(project, exp_conf)
 
 
 @contextlib.contextmanager

@@ -153,9 +153,20 @@ class Requirement:
     needed: Callable[[dict[str, Any]], bool]
 
 
-def _runs_standin(hparams: dict[str, Any]) -> bool:
-    from det_lab.rl.commands import isaaclab_root
+#: where Isaac Lab's rsl_rl trainer lies in its checkout, and the checkout in Isaac Lab's image
+ISAACLAB_TRAIN = Path("scripts/reinforcement_learning/rsl_rl/train.py")
+ISAACLAB_DEFAULT = "/workspace/isaaclab"  # DOCKER_ISAACLAB_PATH in Isaac Lab's docker/.env.base
 
+
+def isaaclab_root(hint: str | None = None) -> Path | None:
+    """Isaac Lab's checkout if its rsl_rl ``train.py`` is there: ``hint``, ``$ISAACLAB_PATH``, /workspace/isaaclab."""
+    for cand in (hint, os.environ.get("ISAACLAB_PATH"), ISAACLAB_DEFAULT):
+        if cand and (Path(cand) / "isaaclab.sh").is_file() and (Path(cand) / ISAACLAB_TRAIN).is_file():
+            return Path(cand)
+    return None
+
+
+def _runs_standin(hparams: dict[str, Any]) -> bool:
     return not hparams.get("require_isaaclab") and isaaclab_root(hparams.get("isaaclab_path")) is None
 
 

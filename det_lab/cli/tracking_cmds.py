@@ -15,7 +15,8 @@ app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals
 def status_(ctx: typer.Context) -> None:
     """List tracking journals on the volume that still hold undelivered events, and damaged ones
     (exit code 1 when there is one: its events cannot be delivered until it is repaired)."""
-    from det_lab.tracking.sync import backlog, find_journals
+    from det_lab.tracking.sync import backlog
+    from det_lab.trials.record import volume_journals as find_journals
 
     settings = state(ctx).settings
     waiting, damaged = [], []
@@ -39,7 +40,8 @@ def status_(ctx: typer.Context) -> None:
 def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="One journal (default: all waiting).")) -> None:
     """Deliver events that runs journaled while their tracker was down."""
     from det_lab.tracking.journal import JournalError
-    from det_lab.tracking.sync import find_journals, pending, sync
+    from det_lab.tracking.sync import pending, sync
+    from det_lab.trials.record import volume_journals as find_journals
 
     settings = state(ctx).settings
     journals = [journal] if journal else [j for j in find_journals(settings) if pending(j)]

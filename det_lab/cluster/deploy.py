@@ -43,7 +43,8 @@ from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensu
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.compat import import_deploy
 from det_lab.checks import Check
-from det_lab.doctor import run_checks
+from det_lab.cluster.health import cluster_checks
+from det_lab.host_checks import host_checks
 from det_lab.net import http_answers
 from det_lab.settings import LabSettings
 
@@ -69,8 +70,10 @@ class PreflightFailed(DeployError):
 # --- checks before anything is created ------------------------------------------------------------
 
 def preflight(lab: LabSettings) -> list[Check]:
-    """The failing doctor checks that must stop ``up`` (empty: go)."""
-    return [c for c in run_checks(lab) if c.status == "fail" and c.name != "master"]
+    """The failing doctor checks that must stop ``up`` (empty: go): the machine's and the cluster's
+    (doctor's Prometheus and Slurm accounting checks never fail; the ``master`` check is skipped:
+    that is what is being started)."""
+    return [c for c in host_checks(lab) + cluster_checks(lab) if c.status == "fail" and c.name != "master"]
 
 
 def _require_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str) -> None:

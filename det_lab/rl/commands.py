@@ -14,22 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.rl.supervisor import ChildCommand, Restore
+from det_lab.templates import ISAACLAB_DEFAULT, ISAACLAB_TRAIN, isaaclab_root  # noqa: F401  (re-exported)
 
-ISAACLAB_TRAIN = Path("scripts/reinforcement_learning/rsl_rl/train.py")
-ISAACLAB_DEFAULT = "/workspace/isaaclab"  # DOCKER_ISAACLAB_PATH in Isaac Lab's docker/.env.base
 UNATTENDED_ENV = {"ACCEPT_EULA": "Y", "PRIVACY_CONSENT": "Y", "OMNI_KIT_ACCEPT_EULA": "YES"}
 # Kit/Omniverse caches (Isaac Lab docker-compose volumes) -> name of the subdirectory in a cache slot
 ISAAC_CACHES = {"/isaac-sim/kit/cache": "kit", "~/.cache/ov": "ov", "~/.nv/ComputeCache": "compute",
                 "~/.cache/nvidia/GLCache": "glcache"}
 _held_locks: list[int] = []  # cache slot locks live as long as the supervisor
-
-
-def isaaclab_root(hint: str | None = None) -> Path | None:
-    """Isaac Lab's checkout if its rsl_rl ``train.py`` is there: ``hint``, ``$ISAACLAB_PATH``, /workspace/isaaclab."""
-    for cand in (hint, os.environ.get("ISAACLAB_PATH"), ISAACLAB_DEFAULT):
-        if cand and (Path(cand) / "isaaclab.sh").is_file() and (Path(cand) / ISAACLAB_TRAIN).is_file():
-            return Path(cand)
-    return None
 
 
 def resume_flags(restore: Restore | None) -> list[str]:

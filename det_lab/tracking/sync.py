@@ -8,20 +8,11 @@ failed attempt leaves it exactly as it was.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-from det_lab.settings import LabSettings
 from det_lab.tracking.journal import Journal, JournalError
 from det_lab.tracking.mirror import BackendSummary, DeliverySummary
 from det_lab.tracking.sender import Busy, Sender, sender_lock
-from det_lab.trials import record
-from det_lab.volume import VolumeLayout
-
-
-def find_journals(settings: LabSettings) -> Iterator[Path]:
-    """Every tracking journal on the volume (cluster trials and local-style runs: their run records')."""
-    yield from record.find_journals(VolumeLayout.from_settings(settings), list(settings.projects))
 
 
 def backlog(journal_dir: Path) -> tuple[int, str | None]:

@@ -23,7 +23,6 @@ from typing import Any
 
 from determined import pytorch
 
-from det_lab.core import local_checkpoint_dir
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section, period
 from det_lab.trials.distributed import off_cluster_distributed
@@ -35,7 +34,7 @@ from det_lab.trials.harness import (
     tensorboard_available,
 )
 from det_lab.trials.identity import read_identity
-from det_lab.trials.session import LabSession
+from det_lab.trials.session import LabSession, local_checkpoint_dir
 from det_lab.trials.surface import TrialSurface
 
 log = logging.getLogger("det_lab.trials")

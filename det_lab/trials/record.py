@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from det_lab.jsonload import loads
+from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 RUN_FILE = "run.json"
@@ -406,6 +407,11 @@ def find_journals(layout: VolumeLayout, projects: list[str]) -> Iterator[Path]:
         # the run directories, then one stat each: not a record (and a run.json read) per run
         yield from sorted(d / JOURNAL_DIR for d, _ in run_dirs(layout, project, probe=False)
                           if os.path.exists(os.path.join(d, JOURNAL_DIR, RUN_FILE)))
+
+
+def volume_journals(settings: LabSettings) -> Iterator[Path]:
+    """Every tracking journal on the volume of ``settings``, over all its projects (:func:`find_journals`)."""
+    yield from find_journals(VolumeLayout.from_settings(settings), list(settings.projects))
 
 
 def record_for(layout: VolumeLayout, project: str, run_key: str, record_dir: Path | None) -> RunRecord:

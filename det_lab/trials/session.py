@@ -53,6 +53,11 @@ from det_lab.volume import VolumeLayout, share_with_group
 log = logging.getLogger("det_lab.trials")
 
 
+def local_checkpoint_dir(settings: LabSettings, project: str, exp_conf: dict[str, Any] | None = None) -> Path:
+    """Where off-cluster checkpoints go: where the cluster puts them (``<data root>/checkpoints/<project>``)."""
+    return VolumeLayout.from_settings(settings).experiment_checkpoints(project, exp_conf)
+
+
 class LabSession:
     """What det_lab adds to one trial process. Use :meth:`start` then :meth:`close`."""
 
