@@ -27,6 +27,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
 from det_lab.errors import UserError
 
 if TYPE_CHECKING:
@@ -182,7 +183,9 @@ def _group_id(group: str | None) -> int | None:
     try:
         return grp.getgrnam(group).gr_gid
     except KeyError:
-        raise ValueError(f"group {group!r} (lab config key 'group') does not exist on this machine") from None
+        from det_lab.settings import LabConfigError
+
+        raise LabConfigError(f"group {group!r} (lab config key 'group') does not exist on this machine") from None
 
 
 def _widen_permissions(d: Path, gid: int | None, report: InitReport) -> None:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import click
 import typer
+import typer.core
 
 from det_lab import __version__
 from det_lab.cli import data_cmds, doctor_cmd, run_cmd, tracking_cmds, volume_cmds
@@ -16,12 +18,25 @@ from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
 from det_lab.cli import watchdog_cmd
 from det_lab.cli import gpus_cmd
-from det_lab.cli.common import State, report_user_error
+from det_lab.cli.common import State, fail, report_user_error
 from det_lab.errors import UserError
 from det_lab.volume import share_with_group
 
+
+class _Commands(typer.core.TyperGroup):
+    """det-lab's root group: a :class:`UserError` from any command is its one ``error:`` line, exit 2
+    (here, not only in :func:`main`, so that typer's test runner sees what a user sees)."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        try:
+            return super().invoke(ctx)
+        except UserError as exc:
+            fail(str(exc))
+
+
 app = typer.Typer(
     name="det-lab",
+    cls=_Commands,
     help="A robotics ML team's training platform: Determined, one NFS volume, DVC, MLflow/Aim.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,

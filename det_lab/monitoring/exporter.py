@@ -10,6 +10,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, start_http_server, write_to_textfile
 
+from det_lab.errors import UserError
 from det_lab.monitoring.collector import LabCollector, Source
 from det_lab.settings import LabSettings
 
@@ -26,11 +27,15 @@ def default_sources(settings: LabSettings) -> list[str]:
     return [s for s in SOURCES if s != "slurm" or slurm]
 
 
+class ExporterError(UserError, ValueError):
+    """An exporter option that names no source, as one line."""
+
+
 def build_sources(settings: LabSettings, names: Sequence[str]) -> list[Source]:
-    """The sources called ``names`` (see :data:`SOURCES`); ValueError for an unknown one."""
+    """The sources called ``names`` (see :data:`SOURCES`); :class:`ExporterError` for an unknown one."""
     unknown = [n for n in names if n not in SOURCES]
     if unknown:
-        raise ValueError(f"unknown source {unknown[0]!r} (sources: {', '.join(SOURCES)})")
+        raise ExporterError(f"unknown source {unknown[0]!r} (sources: {', '.join(SOURCES)})")
     out: list[Source] = []
     for name in dict.fromkeys(names):
         if name == "gpus":

@@ -32,12 +32,12 @@ class Placement:
 
 def place(slurm: SlurmSettings, exp_conf: dict[str, Any], partition: str | None, time: str | None,
           account: str | None = None) -> Placement:
-    """Check the request against Slurm before anything is created (SlurmError/ValueError: one line)."""
+    """Check the request against Slurm before anything is created (SlurmError: one line)."""
     if time is not None:
         try:
             check_time(time)
         except ValueError as exc:
-            raise ValueError(f"--time {exc}") from None
+            raise submit.SlurmError(f"--time {exc}") from None
     submit.require("sbatch")
     raw = (exp_conf.get("resources") or {}).get("slots_per_trial")
     slots = 1 if raw is None else int(raw)  # 0: a CPU trial, which asks Slurm for no GPU

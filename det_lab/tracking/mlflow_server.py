@@ -14,7 +14,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from det_lab.errors import UserError
 from det_lab.net import http_answers
+
+
+class MlflowServerError(UserError, RuntimeError):
+    """An MLflow server that exited or did not answer while it started; the message names its log."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,12 +71,12 @@ class MlflowServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
+                raise MlflowServerError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
             if http_answers(f"{self.uri}/health", timeout=2)[0]:
                 return self
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError(f"mlflow server did not answer within {timeout} s (log: {self.root / 'server.log'})")
+        raise MlflowServerError(f"mlflow server did not answer within {timeout} s (log: {self.root / 'server.log'})")
 
     def stop(self) -> None:
         """Kill the server and its workers at once (an outage, not a graceful shutdown)."""

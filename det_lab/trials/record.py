@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
@@ -56,8 +57,12 @@ _VALIDATION_HEAD = b'{"group": "validation", "step": '
 _TRAINING_STEP = re.compile(rb'\n\{"group": "training", "step": (\d+), ')
 
 
+class RunRecordError(UserError, ValueError):
+    """A damaged run.json, as one line naming it and the fix (a ValueError: readers that skip damaged runs catch that)."""
+
+
 def read_run_file(path: Path) -> dict[str, Any]:
-    """A run.json as a dict; a damaged one is a one-line ``ValueError`` naming it and the fix."""
+    """A run.json as a dict; a damaged one is a one-line :class:`RunRecordError` naming it and the fix."""
     with open(path, "rb") as f:
         return parse_run_file(f.read(), path)
 
@@ -70,7 +75,7 @@ def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
     except ValueError as exc:  # also bytes that are not UTF-8
         problem = str(exc)
     if problem:
-        raise ValueError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
+        raise RunRecordError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
                          "restore its run.json from a backup or start a new run")
     return state
 
