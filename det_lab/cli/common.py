@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -58,6 +59,33 @@ def report_user_error(exc: BaseException, code: int = 2) -> NoReturn:
 
     err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     raise SystemExit(code)
+
+
+def print_json(data: Any) -> None:
+    """Print ``data`` as one indented JSON document on stdout: what every ``--json`` prints (paths
+    and other non-JSON values as their text)."""
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def out_dir(out: Path) -> Path:
+    """``--out`` as the directory a command writes its named files into; an existing regular file
+    there is one error line (``--out`` always names a directory)."""
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file: --out names a directory, the command writes its files inside")
+    return out
+
+
+T = TypeVar("T")
+
+
+def renamed_option(new_value: T, old_value: T | None, old: str, new: str) -> T:
+    """The value of option ``new``, or of its hidden old spelling ``old`` when that was given (said
+    on stderr as deprecated: scripts that use it keep working for one release)."""
+    if old_value is None:
+        return new_value
+    err_console.print(f"[yellow]deprecated:[/] {old} is now {new}; the old spelling goes in a later release",
+                      highlight=False, soft_wrap=True)
+    return old_value
 
 
 def viewer_command(backend: str, target: str) -> str:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, state
+from det_lab.cli.common import console, err_console, fail, print_json, state
 
 if TYPE_CHECKING:
     from det_lab import data
@@ -85,7 +85,11 @@ def pull(
 
 
 @app.command()
-def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered dataset name.")) -> None:
+def status(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="Registered dataset name."),
+    as_json: bool = typer.Option(False, "--json", help="The identity, cache and snapshot as one JSON object."),
+) -> None:
     """Show what a dataset name resolves to now and whether it is ready on the volume."""
     from det_lab import data
     from det_lab.volume import human_bytes
@@ -95,6 +99,9 @@ def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered 
         st = data.status(name, settings)
     except data.DataError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"name": name, **st.as_dict()})
+        return
     i = st.identity
     console.print(f"{name}: {i.repo} {i.path}@{i.rev} -> commit {i.commit}", highlight=False)
     console.print(f"  DVC hash {i.md5}, {i.nfiles} files, {human_bytes(i.size)}", highlight=False)
@@ -103,7 +110,10 @@ def status(ctx: typer.Context, name: str = typer.Argument(..., help="Registered 
 
 
 @app.command("list")
-def list_(ctx: typer.Context) -> None:
+def list_(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="Per project: sizes, datasets and snapshots as JSON."),
+) -> None:
     """List datasets and snapshots on the volume with sizes per project."""
     from rich.table import Table
 
@@ -115,13 +125,16 @@ def list_(ctx: typer.Context) -> None:
         listings = data.list_volume(settings)
     except data.DataError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"data_root": str(settings.data_root), "projects": [lst.as_dict() for lst in listings]})
+        return
     table = Table(title=f"datasets on {settings.data_root}", title_justify="left")
     for col in ("project", "remote", "cache", "quota", "registered", "snapshots (revision: files)"):
         table.add_column(col)
     for lst in listings:
         snaps = "\n".join(f"{s.path}@{s.commit[:10]}: {s.nfiles}" for s in lst.snapshots) or "-"
         table.add_row(lst.project, human_bytes(lst.remote_bytes), human_bytes(lst.cache_bytes),
-                      human_bytes(int(settings.projects[lst.project].quota)),
+                      human_bytes(lst.quota_bytes),
                       "\n".join(sorted(lst.registered)) or "-", snaps)
     console.print(table)
 
@@ -131,6 +144,9 @@ def verify(
     ctx: typer.Context,
     name: str | None = typer.Argument(None, help="Registered dataset name (default: every snapshot and cache object)."),
     repair: bool = typer.Option(False, "--repair", help="Restore damaged files from the DVC remote."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="With --repair: say which files it would restore "
+                                 "and which cache objects it would delete; change nothing."),
+    as_json: bool = typer.Option(False, "--json", help="The counts and every damaged, repaired and planned path as JSON."),
 ) -> None:
     """Hash (md5, as DVC) every snapshot file and shared-cache object; --repair restores damage."""
     from det_lab import data
@@ -138,10 +154,22 @@ def verify(
 
     settings = state(ctx).settings
     try:
-        with console.status("hashing snapshots and cache objects"):
-            report = verify_volume(settings, name, repair=repair)
+        with console.status("hashing snapshots and cache objects") if not as_json else nullcontext():
+            report = verify_volume(settings, name, repair=repair and not dry_run)
     except (data.DataError, ValueError, TimeoutError) as exc:
         fail(str(exc))
+    if as_json:
+        print_json(report.as_dict())
+        raise typer.Exit(0 if report.ok or dry_run else 1)
+    if repair and dry_run:
+        for path in report.to_restore:
+            console.print(f"would restore {path}", highlight=False)
+        for path in report.to_delete:
+            console.print(f"would delete  {path}", highlight=False)
+        console.print(f"dry run: nothing changed; 'det-lab data verify --repair{' ' + name if name else ''}' restores "
+                      f"{len(report.to_restore)} from the DVC remote and deletes {len(report.to_delete)} cache "
+                      "objects (a later pull fetches them again)", highlight=False)
+        return
     for path in report.damaged:
         how = "[green]repaired[/]" if path in report.repaired else "[red]damaged[/] "
         console.print(f"{how} {path}", highlight=False)
@@ -164,15 +192,30 @@ def import_(
     project: str = typer.Option(..., help="Project it belongs to (quota, cache)."),
     replace: bool = typer.Option(False, "--replace", help="Import as a new revision of an already registered NAME."),
     message: str | None = typer.Option(None, help="Commit message of the new revision."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would create, push and register "
+                                 "(and which registration it replaces); write nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
 ) -> None:
     """Version a directory with DVC on the volume and register it as NAME, in one command."""
     from pathlib import Path
 
     from det_lab import data
-    from det_lab.data.importer import import_directory
+    from det_lab.data.importer import import_directory, import_plan
     from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
+    if dry_run:
+        try:
+            plan = import_plan(settings, Path(directory), name, project, replace=replace)
+        except (data.DataError, ValueError) as exc:
+            fail(str(exc))
+        if as_json:
+            print_json(plan.as_dict())
+            return
+        for line in plan.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+        console.print("dry run: nothing written", highlight=False)
+        return
     try:
         with console.status(f"versioning {directory} with DVC"):
             spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 from pathlib import Path
 
 from det_lab.data.git import clone_at, resolve_revision
@@ -33,6 +34,11 @@ class DatasetStatus:
     cached_files: int  # objects of this revision already in the shared cache
     total_files: int
 
+    def as_dict(self) -> dict[str, Any]:
+        """What ``det-lab data status --json`` prints: the identity, the cache and the snapshot."""
+        return {"identity": asdict(self.identity), "cached_files": self.cached_files, "total_files": self.total_files,
+                "snapshot": str(self.snapshot) if self.snapshot else None}
+
 
 def status(spec: DatasetSpec, settings: LabSettings) -> DatasetStatus:
     identity = resolve(spec)
@@ -53,6 +59,15 @@ class ProjectListing:
     snapshot_bytes: int  # beyond the cache: hard links into it count zero
     registered: dict[str, DatasetSpec] = field(default_factory=dict)
     snapshots: list[DatasetIdentity] = field(default_factory=list)
+    quota_bytes: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``det-lab data list --json`` prints for the project: sizes in bytes, its registered
+        datasets and the revisions snapshotted on the volume."""
+        return {"project": self.project, "remote_bytes": self.remote_bytes, "cache_bytes": self.cache_bytes,
+                "snapshot_bytes": self.snapshot_bytes, "quota_bytes": self.quota_bytes,
+                "registered": {n: asdict(s) for n, s in sorted(self.registered.items())},
+                "snapshots": [asdict(i) for i in self.snapshots]}
 
 
 def list_volume(settings: LabSettings) -> list[ProjectListing]:
@@ -65,7 +80,7 @@ def list_volume(settings: LabSettings) -> list[ProjectListing]:
         cache = disk_usage(layout.dvc_cache(project))
         listing = ProjectListing(
             project, disk_usage(layout.datasets(project)), cache, cache_plus_snaps - cache,
-            {n: s for n, s in registry.items() if s.project == project},
+            {n: s for n, s in registry.items() if s.project == project}, quota_bytes=int(settings.projects[project].quota),
         )
         snaps = layout.snapshots(project)
         for marker in sorted(snaps.glob(f"*/{SNAPSHOT_MARKER}")) if snaps.is_dir() else []:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from det_lab.data.errors import DataError
 from det_lab.data.integrity import SNAPSHOT_MARKER, cache_objects, changed_files, hash_mismatches, read_marker
@@ -30,10 +31,35 @@ class VerifyReport:
     damaged: list[Path] = field(default_factory=list)
     repaired: list[Path] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # damage that could not be repaired, one line each
+    damaged_objects: list[Path] = field(default_factory=list)  # damaged shared-cache objects no damaged file links
+    # damaged cache objects that are one inode with a damaged snapshot file: restored with it
+    linked_objects: list[Path] = field(default_factory=list)
+    _bad_inodes: set[tuple[int, int]] = field(default_factory=set, repr=False)
 
     @property
     def ok(self) -> bool:
         return not self.errors and set(self.damaged) <= set(self.repaired)
+
+    @property
+    def to_restore(self) -> list[Path]:
+        """Damaged snapshot files (or whole snapshots) not yet repaired: what a repair restores
+        from the DVC remote, overwriting them."""
+        objects = set(self.damaged_objects) | set(self.linked_objects)
+        return [p for p in self.damaged if p not in objects and p not in self.repaired]
+
+    @property
+    def to_delete(self) -> list[Path]:
+        """Damaged shared-cache objects not yet repaired: what a repair deletes (the next pull that
+        needs one fetches it again)."""
+        return [p for p in self.damaged_objects if p not in self.repaired]
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``det-lab data verify --json`` prints: the counts, each path, and what a repair
+        would still restore and delete."""
+        return {"snapshots": self.snapshots, "files": self.files, "objects": self.objects,
+                "damaged": [str(p) for p in self.damaged], "repaired": [str(p) for p in self.repaired],
+                "errors": self.errors, "ok": self.ok, "to_restore": [str(p) for p in self.to_restore],
+                "to_delete": [str(p) for p in self.to_delete]}
 
 
 def verify(settings: LabSettings, name: str | None = None, *, repair: bool = False, show: bool = False) -> VerifyReport:
@@ -78,6 +104,7 @@ def _verify_snapshot(layout: VolumeLayout, snap: Path, identity: DatasetIdentity
         report.files += len(expected)
         bad = [rel for rel, md5 in expected.items() if not _good(snap / rel, md5, seen)]
         report.damaged += [snap / rel for rel in bad]
+        report._bad_inodes |= {key for rel in bad if (key := _inode(snap / rel))}
         changed = changed_files(snap, marker)
         suspects = sorted(set(bad) | set(expected if changed is None else changed))
         if not suspects:
@@ -92,6 +119,14 @@ def _verify_snapshot(layout: VolumeLayout, snap: Path, identity: DatasetIdentity
     report.repaired += [snap / rel for rel in fixed]
     report.repaired += [p for p in report.damaged if p == snap]
     report.damaged += [snap / rel for rel in fixed if snap / rel not in report.damaged]
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
 
 
 def _good(path: Path, md5: str, seen: dict[tuple[int, int], bool]) -> bool:
@@ -113,6 +148,10 @@ def _verify_cache(cache: Path, report: VerifyReport, seen: dict, repair: bool) -
         if _good(obj, md5, seen):
             continue
         report.damaged.append(obj)
+        if _inode(obj) in report._bad_inodes:  # (not after a repair: that fetched it again)
+            report.linked_objects.append(obj)
+            continue
+        report.damaged_objects.append(obj)
         if repair:  # used by no intact snapshot (those were repaired above): the next pull refetches
             obj.unlink(missing_ok=True)
             report.repaired.append(obj)
