@@ -7,7 +7,7 @@ import json
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, state
 
 
 def _since(epoch: float) -> str:
@@ -20,12 +20,9 @@ def gpus(
 ) -> None:
     """Each GPU of this machine: holder (user and run, or a process outside det-lab), since, memory,
     utilisation; the leases other machines hold; and the runs waiting in line (det-lab run --local --queue)."""
-    from det_lab.gpus import GpusError, gpus_status
+    from det_lab.gpus import gpus_status
 
-    try:
-        status = gpus_status(state(ctx).settings)
-    except GpusError as exc:
-        fail(str(exc))
+    status = gpus_status(state(ctx).settings)
     if as_json:
         typer.echo(json.dumps(status))
         return

@@ -6,7 +6,7 @@ import json
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, state
 
 app = typer.Typer(help="The idle-GPU watchdog: warn the holder of a GPU held and idle, then stop it "
                        "(see docs/admin/watchdog.md). Without a command: run the service.",
@@ -47,13 +47,9 @@ def snooze(
     duration: str = typer.Argument(..., help="How long: 30m, 2h ... (at most watchdog.snooze_limit)."),
 ) -> None:
     """Keep your idle job from being warned or stopped for a while."""
-    from det_lab.watchdog import WatchdogError
     from det_lab.watchdog import snooze as do_snooze
 
-    try:
-        entry = do_snooze(state(ctx).settings, job, duration)
-    except WatchdogError as exc:
-        fail(str(exc))
+    entry = do_snooze(state(ctx).settings, job, duration)
     console.print(f"snoozed {job} until {entry['until_time']}", highlight=False)
 
 
