@@ -30,12 +30,9 @@ class State:
     @property
     def settings(self) -> LabSettings:
         if self._settings is None:
-            from det_lab.settings import LabConfigError, load_settings
+            from det_lab.settings import load_settings
 
-            try:
-                self._settings = load_settings(self.config)
-            except LabConfigError as exc:
-                fail(str(exc))
+            self._settings = load_settings(self.config)  # a LabConfigError is the entry point's one error line
         return self._settings
 
 
