@@ -1,7 +1,10 @@
 """The one base class of the errors a user can act on.
 
-The CLI's entry point prints a ``UserError`` as one ``error:`` line and exits 2; any other
-exception is a bug and keeps its traceback. A leaf module: it imports nothing of det_lab.
+det-lab's root command (``det_lab/cli/app.py``) prints a ``UserError`` as one ``error:`` line and
+exits 2; any other exception is a bug and keeps its traceback. A package's error class subclasses
+it and keeps the builtin base it had (``class SlurmConfigError(UserError, ValueError)``), so code
+that catches the builtin still does; tests/test_user_errors.py names any error class that is
+neither a UserError nor listed there as internal. A leaf module: it imports nothing of det_lab.
 """
 
 from __future__ import annotations
