@@ -7,14 +7,16 @@ from pathlib import Path
 import typer
 
 from det_lab import templates
-from det_lab.cli.common import console, fail
+from det_lab.cli.common import console, fail, print_json
 
 app = typer.Typer(help="List the experiment templates and copy one (or the notebooks) to edit.",
                   no_args_is_help=True)
 
 
 @app.command("list")
-def list_() -> None:
+def list_(
+    as_json: bool = typer.Option(False, "--json", help="The templates and the notebooks as JSON."),
+) -> None:
     """List the templates by name, with where their files are."""
     from rich.table import Table
 
@@ -23,6 +25,10 @@ def list_() -> None:
         notebooks = templates.notebooks_dir()
     except templates.TemplateError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"templates": [{"name": t.name, "summary": t.summary, "path": str(t.path)} for t in found],
+                    "notebooks": {"name": templates.NOTEBOOKS, "path": str(notebooks)}})
+        return
     table = Table(box=None, show_edge=False)
     table.add_column("name", no_wrap=True)
     table.add_column("what")

@@ -6,30 +6,33 @@ from pathlib import Path
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, fail, print_json, state
 
 app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals.", no_args_is_help=True)
 
 
 @app.command("status")
-def status_(ctx: typer.Context) -> None:
+def status_(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="The journals, their waiting events and damage as JSON."),
+) -> None:
     """List tracking journals on the volume that still hold undelivered events, and damaged ones
     (exit code 1 when there is one: its events cannot be delivered until it is repaired)."""
-    from det_lab.tracking.sync import backlog
+    from det_lab.tracking.sync import backlogs
     from det_lab.trials.record import volume_journals as find_journals
 
     settings = state(ctx).settings
-    waiting, damaged = [], []
-    for j in find_journals(settings):
-        n, problem = backlog(j)  # run.json read once: the count and whether it can be delivered
-        if problem:
-            damaged.append((j, n, problem))
-        elif n:
-            waiting.append((j, n))
-    for j, n in waiting:
-        console.print(f"{n:>8} events waiting  {j}", highlight=False)
-    for j, n, problem in damaged:
-        console.print(f"{n:>8} events waiting  {j}\n          damaged: {problem}", highlight=False, soft_wrap=True)
+    found = backlogs(find_journals(settings))
+    waiting = [b for b in found if not b.damaged]
+    damaged = [b for b in found if b.damaged]
+    if as_json:
+        print_json({"journals": [b.as_dict() for b in found]})
+        raise typer.Exit(1 if damaged else 0)
+    for b in waiting:
+        console.print(f"{b.events:>8} events waiting  {b.journal}", highlight=False)
+    for b in damaged:
+        console.print(f"{b.events:>8} events waiting  {b.journal}\n          damaged: {b.damaged}", highlight=False,
+                      soft_wrap=True)
     console.print(f"{len(waiting)} journal(s) with undelivered events"
                   + (f", {len(damaged)} damaged" if damaged else ""), highlight=False)
     if damaged:

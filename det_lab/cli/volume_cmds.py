@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, fail, print_json, state
 
 
 def init(
@@ -51,13 +51,21 @@ def init(
             console.print("demo datasets already published", highlight=False)
 
 
-def config(ctx: typer.Context) -> None:
+def config(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="The configuration (quotas in bytes), its source and the "
+                                 "environment overrides as JSON."),
+) -> None:
     """Print the effective lab configuration and where it came from."""
     import yaml
 
     from det_lab.settings import ENV_OVERRIDES
 
     settings = state(ctx).settings
+    if as_json:
+        print_json({"source": str(settings.source) if settings.source else None,
+                    "environment_overrides": dict(ENV_OVERRIDES), "config": settings.model_dump(mode="json")})
+        return
     console.print(f"# source: {settings.source or 'built-in defaults'}", highlight=False)
     console.print(f"# environment overrides: {', '.join(ENV_OVERRIDES)}", highlight=False)
     data = settings.model_dump(mode="json")

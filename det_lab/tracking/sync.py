@@ -8,7 +8,10 @@ failed attempt leaves it exactly as it was.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from det_lab.tracking.journal import Journal, JournalError
 from det_lab.tracking.mirror import BackendSummary, DeliverySummary
@@ -54,3 +57,23 @@ def sync(journal_dir: Path, timeout: float = 60.0) -> DeliverySummary:
         summary.backends.append(BackendSummary(name, delivered, Journal(journal_dir).last_seq - cursor.seq,
                                                cursor.run_id, error))
     return summary
+
+
+@dataclass(frozen=True)
+class JournalBacklog:
+    """One journal holding undelivered events, and what is wrong with it when it cannot be delivered."""
+
+    journal: Path
+    events: int
+    damaged: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """What ``det-lab tracking status --json`` prints for the journal."""
+        return {"journal": str(self.journal), "events": self.events, "damaged": self.damaged}
+
+
+def backlogs(journal_dirs: Iterable[Path]) -> list[JournalBacklog]:
+    """The journals of ``journal_dirs`` with undelivered events, and every damaged one (each
+    journal's run.json read once: the count and whether it can be delivered)."""
+    found = [JournalBacklog(j, *backlog(j)) for j in journal_dirs]
+    return [b for b in found if b.events or b.damaged]
