@@ -254,7 +254,7 @@ def test_task_template_carries_the_volume_and_passes_determined_schema(lab, tmp_
     import yaml
 
     out = tmp_path / "det-lab-template.yaml"
-    proc = lab.cli("cluster", "template", "--out", str(out))  # the installed script
+    proc = lab.cli("cluster", "template", "--out", str(out.parent))  # the installed script
     assert proc.returncode == 0, proc.stderr
     tpl = yaml.safe_load(out.read_text())
     mounts = {m["container_path"]: m for m in tpl["bind_mounts"]}
@@ -304,8 +304,8 @@ def test_idle_notebook_default_is_rendered_into_master_and_notebook_template(lab
     write_cluster(lab, {"notebooks": notebooks} if notebooks else {})
     master = rendered(lab)["master.yaml"]
     assert master.get("notebook_timeout") == seconds and master_errors(master) == []
-    out = tmp_path / "nb.yaml"
-    proc = invoke(lab, "cluster", "template", "--notebook", "--out", str(out))
+    out = tmp_path / "det-lab-notebook-template.yaml"
+    proc = invoke(lab, "cluster", "template", "--notebook", "--out", str(out.parent))
     assert proc.exit_code == 0, proc.stderr
     tpl = yaml.safe_load(out.read_text())
     assert tpl.get("idle_timeout") == timeout and tpl["notebook_idle_type"] == kind

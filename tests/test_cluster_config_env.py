@@ -36,7 +36,7 @@ def test_monitor_token_logs_in_to_the_master_of_the_named_cluster_config(lab, tm
         _cluster_file(lab, tmp_path, {"master_host": "127.0.0.1", "master_port": port})
         lab.env.update(DET_USER="prometheus", DET_PASS="prom-secret")
         token = tmp_path / "det-master.token"
-        proc = lab.cli("monitor", "token", "--out", str(token))
+        proc = lab.cli("monitor", "token", "--out", str(token.parent))
         assert proc.returncode == 0, proc.stderr
         assert token.read_text() == "standin-token"
     finally:

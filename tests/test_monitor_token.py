@@ -12,7 +12,7 @@ def test_token_with_a_damaged_cluster_config_is_one_error_line(lab, tmp_path):
     token = tmp_path / "det-master.token"
     token.write_text("old-token")
     lab.env.update(DET_USER="prometheus", DET_PASS="secret")
-    proc = lab.cli("monitor", "token", "--out", str(token))
+    proc = lab.cli("monitor", "token", "--out", str(token.parent))
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1, proc.stdout + proc.stderr
     assert lines[0].startswith("error:") and str(cluster_file) in lines[0] and "master_prot" in lines[0]

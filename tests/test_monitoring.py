@@ -579,7 +579,7 @@ def test_token_refresh_keeps_the_old_token_when_the_master_is_down(lab, tmp_path
     token.write_text("old-token")
     lab.env.update(DET_USER="prometheus", DET_PASS="secret")
     try:
-        proc = lab.cli("monitor", "token", "--out", str(token), "--master", f"http://127.0.0.1:{free_port()}")
+        proc = lab.cli("monitor", "token", "--out", str(token.parent), "--master", f"http://127.0.0.1:{free_port()}")
     finally:
         del lab.env["DET_USER"], lab.env["DET_PASS"]
     assert proc.returncode == 2 and proc.stderr.startswith("error:") and "did not answer the login" in proc.stderr

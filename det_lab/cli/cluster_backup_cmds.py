@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.cluster_common import load as _load
-from det_lab.cli.common import console, fail
+from det_lab.cli.common import console, fail, out_dir
 
 
 def backup(
@@ -64,7 +64,8 @@ def restore(
 
 def backup_timer(
     ctx: typer.Context,
-    out: Path | None = typer.Option(None, "--out", help="Write det-lab-backup.service/.timer here (e.g. /etc/systemd/system)."),
+    out: Path | None = typer.Option(None, "--out", help="Write det-lab-backup.service/.timer into this directory "
+                                    "(e.g. /etc/systemd/system; default: print them)."),
     user: str | None = typer.Option(None, "--user", help="Unix user the backup runs as (owns the DB password "
                                     "file; default: you)."),
 ) -> None:
@@ -82,6 +83,7 @@ def backup_timer(
             typer.echo(f"# --- {name} ---")
             typer.echo(text, nl=False)
         return
+    out_dir(out, f"{UNIT_NAME}.service")
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():

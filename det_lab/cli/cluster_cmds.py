@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -16,7 +15,7 @@ import typer
 
 from det_lab.cli.cluster_common import META_KEY as _META_KEY
 from det_lab.cli.cluster_common import load as _load
-from det_lab.cli.common import console, err_console, fail
+from det_lab.cli.common import console, err_console, fail, out_dir, print_json
 
 if TYPE_CHECKING:
     from det_lab.cluster import plan
@@ -49,7 +48,7 @@ def _agents(cluster: ClusterSettings, extra: list[str]) -> list[str]:
 
 def _print_plan(p: plan.DeployPlan, as_json: bool) -> None:
     if as_json:
-        typer.echo(json.dumps(p.to_dict(), indent=2))
+        print_json(p.to_dict())
     else:
         for line in p.lines():
             console.print(line, highlight=False, soft_wrap=True)
@@ -99,6 +98,8 @@ def config(
     from det_lab.cluster.schema import agent_errors, master_errors
     from det_lab.cluster.settings import ClusterConfigError
 
+    if out is not None:
+        out_dir(out, "master.yaml")
     lab, cluster = _load(ctx)
     master = render_master(lab, cluster)
     errors = [f"master.yaml: {e}" for e in master_errors(master)]
@@ -208,11 +209,27 @@ def agent_up(
 def down(
     ctx: typer.Context,
     delete_db: bool = typer.Option(False, "--delete-db", help="Also delete the database volume (all history!)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Name the containers, network and database volume it "
+                                 "would remove; touch nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
 ) -> None:
     """Stop this machine's master, database and agents (the database volume is kept)."""
     from det_lab.cluster import deploy
 
     _lab, cluster = _load(ctx)
+    if dry_run:
+        try:
+            plan = deploy.down_plan(cluster, delete_db=delete_db)
+        except deploy.DeployError as exc:
+            fail(str(exc))
+        if as_json:
+            print_json(plan.as_dict())
+            return
+        for line in plan.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+        console.print(f"dry run: nothing stopped or removed; 'det-lab cluster down{' --delete-db' if delete_db else ''}' "
+                      "does this", highlight=False)
+        return
     try:
         deploy.down(cluster, delete_db=delete_db)
     except deploy.DeployError as exc:
@@ -221,7 +238,10 @@ def down(
 
 
 @app.command()
-def status(ctx: typer.Context) -> None:
+def status(
+    ctx: typer.Context,
+    as_json: bool = typer.Option(False, "--json", help="The containers and whether the master answers as JSON."),
+) -> None:
     """The cluster's containers on this machine and whether the master answers."""
     from det_lab.cluster import deploy
 
@@ -231,11 +251,15 @@ def status(ctx: typer.Context) -> None:
         rows = deploy.cluster_containers(cluster, client)
     except deploy.DeployError as exc:
         fail(str(exc))
+    ok, detail = deploy.master_answers(cluster.master_url)
+    if as_json:
+        print_json({"containers": [r.as_dict() for r in rows],
+                    "master": {"url": cluster.master_url, "answers": ok, "detail": detail}})
+        raise typer.Exit(0 if ok else 1)
     for r in rows:
         console.print(f"{r.role:<9} {r.name:<32} {r.status:<10} {r.image}", highlight=False)
     if not rows:
         console.print("no cluster containers on this machine", highlight=False)
-    ok, detail = deploy.master_answers(cluster.master_url)
     console.print(f"master    {cluster.master_url}: {'answers' if ok else 'unreachable'} ({detail})", highlight=False)
     if not ok:
         raise typer.Exit(1)
@@ -304,7 +328,8 @@ def link_users(
 def template(
     ctx: typer.Context,
     name: str | None = typer.Option(None, help="Template name in Determined (default: det-lab, det-lab-notebook)."),
-    out: Path | None = typer.Option(None, "--out", help="Write the template here (default: print it)."),
+    out: Path | None = typer.Option(None, "--out", help="Write <name>-template.yaml into this directory "
+                                    "(default: print it)."),
     apply: bool = typer.Option(False, "--apply", help="Register it with the master: created, or updated when it exists."),
     notebook: bool = typer.Option(False, "--notebook", help="The JupyterLab template: also the lab's idle "
                                   "timeout (notebooks.idle_timeout; lengthen one with --config idle_timeout=8h)."),
@@ -320,22 +345,27 @@ def template(
     from det_lab.cluster.config_template import TemplateApplyError, apply_template
     from det_lab.cluster.secrets import private_dir
 
+    name = name or ("det-lab-notebook" if notebook else "det-lab")
+    path = None if out is None else out_dir(out, f"{name}-template.yaml") / f"{name}-template.yaml"
     lab, cluster = _load(ctx)
     _warn_tracking(lab)
-    name = name or ("det-lab-notebook" if notebook else "det-lab")
     render = render_notebook_template if notebook else render_task_template
     text = yaml.safe_dump(render(lab, cluster), sort_keys=False)
-    if out is not None:
-        out.write_text(text)
-        console.print(f"wrote {out}", highlight=False)
+    if path is not None:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        except OSError as exc:
+            fail(f"cannot write to {out}: {exc.strerror or exc}")
+        console.print(f"wrote {path}", highlight=False)
     elif not apply:
         typer.echo(text, nl=False)
     if not apply:
         return
     det, env = _det_as_admin("register the template")
     master = lab.master_url or cluster.master_url
-    path = out or private_dir() / f"{name}-template.yaml"
-    if out is None:
+    if path is None:
+        path = private_dir() / f"{name}-template.yaml"
         path.write_text(text)
     try:
         done = apply_template(det, master, name, path, env, lab)

@@ -64,11 +64,15 @@ def print_json(data: Any) -> None:
     typer.echo(json.dumps(data, indent=2, default=str))
 
 
-def out_dir(out: Path) -> Path:
-    """``--out`` as the directory a command writes its named files into; an existing regular file
-    there is one error line (``--out`` always names a directory)."""
+def out_dir(out: Path, writes: str | None = None) -> Path:
+    """``out``, checked as the ``--out`` directory a command writes its named files into: an
+    existing regular file is one error line, and so is a new path named like the file ``writes``
+    (``--out nb.yaml`` from a script written when that ``--out`` named the file)."""
     if out.exists() and not out.is_dir():
         fail(f"--out {out} is a file: --out names a directory, the command writes its files inside")
+    if writes and not out.exists() and out.suffix and out.suffix == Path(writes).suffix:
+        fail(f"--out {out} looks like a file name: --out names a directory, the command writes {writes} "
+             f"inside (e.g. --out {out.parent})")
     return out
 
 

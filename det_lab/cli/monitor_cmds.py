@@ -8,7 +8,7 @@ from pathlib import Path
 
 import typer
 
-from det_lab.cli.common import console, fail, state
+from det_lab.cli.common import console, fail, out_dir, state
 
 #: how long ``det-lab exporter`` waits for its sources' first reads before it listens
 PRIME_TIMEOUT_S = 30.0
@@ -76,7 +76,8 @@ def exporter(
 @app.command("config")
 def config_(
     ctx: typer.Context,
-    out: Path = typer.Option(Path("det-lab-monitoring"), "--out", help="Directory to write into."),
+    out: Path = typer.Option(Path("det-lab-monitoring"), "--out", help="Directory to write prometheus/, grafana/ "
+                             "and systemd/ into."),
     lab_exporter: str = typer.Option("localhost:9540", help="host:port of the lab exporter."),
     machine: list[str] | None = typer.Option(None, "--machine", help="A GPU machine to scrape (repeat); "
                                              "default: the Slurm nodes and Determined agents of the lab's configs."),
@@ -95,8 +96,7 @@ def config_(
     from det_lab.monitoring.report import parse_duration
 
     settings = state(ctx).settings
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out} exists and is not a directory")
+    out_dir(out)
     try:
         parse_duration(scrape_interval)
     except ValueError as exc:
@@ -125,12 +125,15 @@ def config_(
 @app.command()
 def token(
     ctx: typer.Context,
-    out: Path = typer.Option(..., "--out", help="The token file Prometheus reads (credentials_file)."),
+    out: Path = typer.Option(..., "--out", help="Directory to write det-master.token into, the file Prometheus "
+                             "reads (credentials_file; monitor config's prometheus/ directory)."),
     master: str | None = typer.Option(None, help="Master URL (default: the lab's master_url or cluster config)."),
 ) -> None:
     """Log in to the Determined master (DET_USER / DET_PASS) and write a fresh token for Prometheus."""
+    from det_lab.monitoring.config import TOKEN_FILE
     from det_lab.monitoring.token import TokenError, renew
 
+    out_dir(out, TOKEN_FILE)
     settings = state(ctx).settings
     url = master or settings.master_url
     if not url:
@@ -147,7 +150,7 @@ def token(
     if not user or password is None:
         fail("set DET_USER and DET_PASS (in /etc/det-lab/monitor-token.env for the systemd timer)")
     try:
-        path = renew(url if "://" in url else f"http://{url}", user, password, out)
+        path = renew(url if "://" in url else f"http://{url}", user, password, out / TOKEN_FILE)
     except (TokenError, OSError) as exc:
         fail(str(exc))
     console.print(f"wrote a token for {user} to {path}", highlight=False)
@@ -170,8 +173,7 @@ def report(
         seconds = parse_duration(since)
     except ValueError as exc:
         fail(f"--since: {exc}")
-    if out.exists() and not out.is_dir():
-        fail(f"--out {out} exists and is not a directory")
+    out_dir(out, "index.html")
     try:
         index = build_report(prometheus, seconds, out)
     except ReportError as exc:

@@ -317,11 +317,69 @@ def down(cluster: ClusterSettings, *, delete_db: bool = False, client: Any = Non
 
 
 @dataclass(frozen=True)
+class DownPlan:
+    """What :func:`down` would stop and remove here, as Determined's ``cluster_down`` finds it."""
+
+    containers: list[str]  # stopped and removed
+    networks: list[str]  # removed
+    db_volume: str  # the database volume (every experiment's history)
+    db_volume_exists: bool
+    delete_db: bool
+
+    def lines(self) -> list[str]:
+        """The plan as text, one thing removed per line."""
+        out = [f"would stop and remove container {c}" for c in self.containers]
+        out += [f"would remove network {n}" for n in self.networks]
+        if not self.db_volume_exists:
+            out.append(f"database volume {self.db_volume}: none on this machine")
+        elif self.delete_db:
+            out.append(f"would DELETE the database volume {self.db_volume} (all experiments, trials, metrics, users)")
+        else:
+            out.append(f"keeps the database volume {self.db_volume}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """The plan as ``cluster down --dry-run --json`` prints it."""
+        return {"containers": self.containers, "networks": self.networks, "db_volume": self.db_volume,
+                "db_volume_exists": self.db_volume_exists,
+                "deletes_db_volume": self.delete_db and self.db_volume_exists}
+
+
+def down_plan(cluster: ClusterSettings, *, delete_db: bool = False, client: Any = None) -> DownPlan:
+    """What :func:`down` would remove, found the way Determined's ``cluster_down`` finds it
+    (determined/deploy/local/cluster_utils.py, 0.38.1: ``master_down`` and ``db_down`` by exact
+    container name, ``stop_cluster_agents`` by the ``determined.cluster`` label, ``remove_network``
+    by name, ``db_down``'s volume ``<cluster_name>_determined-db-volume``); changes nothing."""
+    from docker.errors import NotFound
+
+    client = client if client is not None else docker_client()
+    dep = import_deploy()
+    cn = cluster.cluster_name
+    named = [f"{cn}_{dep.MASTER_NAME}", f"{cn}_{dep.DB_NAME}"]
+    with _guard_deploy_errors("listing the cluster's containers"):
+        containers = [n for n in named for c in client.containers.list(all=True, filters={"name": [n]}) if c.name == n]
+        containers += [c.name for c in client.containers.list(all=True, filters={"label": [f"determined.cluster={cn}"]})
+                       if c.name not in containers]
+        networks = [n.name for n in client.networks.list(names=[dep.NETWORK_NAME])]
+        volume = f"{cn}_{dep.VOLUME_NAME}"
+        try:
+            client.volumes.get(volume)
+            exists = True
+        except NotFound:
+            exists = False
+    return DownPlan(containers, networks, volume, exists, delete_db)
+
+
+@dataclass(frozen=True)
 class ContainerStatus:
     name: str
     role: str
     image: str
     status: str
+
+    def as_dict(self) -> dict[str, str]:
+        """The container as ``cluster status --json`` prints it."""
+        return {"name": self.name, "role": self.role, "image": self.image, "status": self.status}
 
 
 def cluster_containers(cluster: ClusterSettings, client: Any) -> list[ContainerStatus]:

@@ -154,7 +154,7 @@ def systemd_units(plan: MonitorPlan) -> dict[str, str]:
     if plan.master:
         units["det-lab-monitor-token.service"] = service(
             "Renew the Determined master token Prometheus scrapes with",
-            f"{plan.det_lab} monitor token --out {plan.token_file.resolve()}",
+            f"{plan.det_lab} monitor token --out {plan.token_file.parent.resolve()}",
             "EnvironmentFile=-/etc/det-lab/monitor-token.env\n", kind="oneshot")
         units["det-lab-monitor-token.timer"] = (
             "[Unit]\nDescription=Renew the Determined master token for Prometheus\n\n"
