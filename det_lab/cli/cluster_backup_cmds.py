@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.cluster_common import load as _load
-from det_lab.cli.common import console, fail, out_dir
+from det_lab.cli.common import console, fail, out_dir, print_json
 
 
 def backup(
@@ -47,16 +47,29 @@ def restore(
     ctx: typer.Context,
     file: Path = typer.Argument(..., help="A .dump file written by 'det-lab cluster backup'."),
     force: bool = typer.Option(False, "--force", help="Replace a database that is not empty (stop the master first)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would create or replace (with --force: "
+                                 "every table now in the database); change nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
 ) -> None:
     """Restore a backup into the master's database (empty or missing; --force replaces one)."""
     from det_lab.cluster import backup as b
+    from det_lab.cluster.restore import restore as restore_backup
+    from det_lab.cluster.restore import restore_plan
 
     _lab, cluster = _load(ctx)
     try:
         conn = b.connection(cluster)
-        b.restore(conn, file, force=force)
+        plan = restore_plan(conn, file, force=force) if dry_run else restore_backup(conn, file, force=force)
     except b.BackupError as exc:
         fail(str(exc))
+    if dry_run:
+        if as_json:
+            print_json(plan.as_dict())
+            return
+        for line in plan.lines():
+            console.print(line, highlight=False, soft_wrap=True)
+        console.print("dry run: nothing changed", highlight=False)
+        return
     console.print(f"restored {file} into {conn.describe()}; roles are in "
                   f"{b.globals_of(file).name} (apply with psql if they were lost)",
                   highlight=False, soft_wrap=True)

@@ -1,4 +1,5 @@
-"""Backups of the Determined master's database: dump, prune, restore, and the nightly timer.
+"""Backups of the Determined master's database: dump, prune, and the nightly timer (restoring one:
+:mod:`det_lab.cluster.restore`).
 
 Everything the Web UI shows (experiments, trials, metrics, the model registry, users, templates)
 lives in the master's PostgreSQL, which ``det-lab cluster up`` keeps in a Docker volume on one
@@ -44,10 +45,6 @@ STAMP_FORMAT = "%Y%m%dT%H%M%SZ"
 _NAME = re.compile(r"^(?P<db>[a-z_][a-z0-9_]*)-(?P<stamp>\d{8}T\d{6}Z)\.dump$")
 _CHUNK = 1 << 20
 TOOL_TIMEOUT_S = 6 * 3600
-#: a database with no relation outside the system schemas counts as empty
-_USER_RELATIONS_SQL = ("SELECT count(*) FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace "
-                       "WHERE n.nspname NOT IN ('pg_catalog', 'information_schema') "
-                       "AND n.nspname NOT LIKE 'pg_toast%' AND n.nspname NOT LIKE 'pg_temp%'")
 INSTALL_CLIENT = "install PostgreSQL's client tools (Debian: postgresql-client) or set backup.pg_bin"
 
 
@@ -146,7 +143,7 @@ def _tool_failure(argv: Sequence[str], stderr: str, code: int) -> BackupError:
     return BackupError(f"{tool} failed: {worst or f'exit status {code}'}")
 
 
-def _run(conn: Connection, argv: list[str], stdin: Path | None = None) -> str:
+def run_tool(conn: Connection, argv: list[str], stdin: Path | None = None) -> str:
     try:
         with open(stdin, "rb") if stdin else open(os.devnull, "rb") as inp:
             proc = subprocess.run(argv, stdin=inp, capture_output=True, text=True, env=conn.env(),
@@ -166,7 +163,7 @@ def _missing(exe: str) -> str:
 
 def query(conn: Connection, sql: str, db: str | None = None) -> str:
     """One psql query's unaligned output."""
-    return _run(conn, conn.argv("psql", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql, db=db)).strip()
+    return run_tool(conn, conn.argv("psql", "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-c", sql, db=db)).strip()
 
 
 # --- dumping --------------------------------------------------------------------------------------
@@ -318,62 +315,6 @@ def newest_age(directory: Path, db: str | None = None,
     if not backups:
         return None
     return backups[0], (now or datetime.now(timezone.utc)) - backups[0].taken
-
-
-# --- restoring ------------------------------------------------------------------------------------
-
-def check_archive(path: Path) -> None:
-    """Refuse what is not a pg_dump custom-format archive, in one line."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(len(PGDMP_MAGIC))
-    except FileNotFoundError:
-        raise BackupError(f"{path}: no such file") from None
-    except IsADirectoryError:
-        raise BackupError(f"{path} is a directory, not a backup") from None
-    except OSError as exc:
-        raise BackupError(f"{path}: {exc.strerror or exc}") from None
-    if head != PGDMP_MAGIC:
-        raise BackupError(f"{path} is not a pg_dump custom-format archive (a .dump file of det-lab cluster backup)")
-
-
-def restore(conn: Connection, archive: Path, *, force: bool = False) -> None:
-    """Restore ``archive`` into ``conn``'s database, which must be empty (or missing) unless ``force``.
-
-    The restore runs in one transaction, so it lands whole or not at all. With ``force`` a
-    non-empty database is replaced only after the archive restored completely into a new one
-    beside it (then the old is dropped and the new renamed), which PostgreSQL allows only while
-    nothing else is connected: stop the master first.
-    """
-    check_archive(archive)
-    args = ["--no-owner", "--exit-on-error", "--single-transaction"]
-    exists = query(conn, f"SELECT count(*) FROM pg_database WHERE datname = '{conn.db}'", db="postgres") == "1"
-    relations = int(query(conn, _USER_RELATIONS_SQL)) if exists else 0
-    if relations and not force:
-        raise BackupError(f"{conn.describe()} is not empty ({relations} relations); restore into an empty "
-                          "database, or pass --force to replace it (stop the master first)")
-    if relations:
-        others = int(query(conn, "SELECT count(*) FROM pg_stat_activity WHERE datname = "
-                                 f"'{conn.db}' AND pid <> pg_backend_pid()", db="postgres"))
-        if others:
-            raise BackupError(f"{conn.describe()} has {others} other connection(s) (the master?): stop the "
-                              "master first (docker stop <cluster_name>_determined-master_1)")
-    target = f"{conn.db}_restoring" if relations else conn.db
-    if target != conn.db or not exists:
-        query(conn, f'DROP DATABASE IF EXISTS "{target}"', db="postgres")
-        query(conn, f'CREATE DATABASE "{target}" OWNER "{conn.user}"', db="postgres")
-    try:
-        if conn.container:
-            _run(conn, conn.argv("pg_restore", *args, db=target), stdin=archive)
-        else:
-            _run(conn, conn.argv("pg_restore", *args, str(archive), db=target))
-    except BackupError:
-        if target != conn.db or not exists:
-            query(conn, f'DROP DATABASE IF EXISTS "{target}"', db="postgres")
-        raise
-    if target != conn.db:
-        query(conn, f'DROP DATABASE "{conn.db}"', db="postgres")
-        query(conn, f'ALTER DATABASE "{target}" RENAME TO "{conn.db}"', db="postgres")
 
 
 # --- the nightly timer ----------------------------------------------------------------------------
