@@ -12,7 +12,9 @@ checkpoints (``metadata.json`` and a 4 KiB ``state.pt`` each, the ones the run.j
 Then it times, in this process, as the median of --runs:
 
 - ``runs prune --older-than 30d``'s plan (:func:`det_lab.trials.prune.plan_prune`, in a child
-  process stopped after 300 s; skipped, saying so, where that function does not exist);
+  process stopped after 300 s; skipped, saying so, where that function does not exist): from
+  scratch (``fresh``: every run.json read, every tree walked), as a user's first (no cache yet),
+  and as every later one (this user's caches);
 - ``data gc --dry-run``: its plan (:func:`det_lab.trials.storage.data_gc`), once cold (DVC asked
   about every branch tip and tag: the first run on a volume) and then as every later run is (the
   answer of each commit kept on the volume);
@@ -114,21 +116,29 @@ except ImportError:
 from det_lab.settings import load_settings
 settings = load_settings(Path(sys.argv[1]), env={})
 start = time.perf_counter()
-plan_prune(settings, older_than="30d")
+try:
+    plan_prune(settings, older_than="30d", fresh=sys.argv[2] == "fresh")
+except TypeError:  # a det_lab without the caches: every plan is from scratch
+    plan_prune(settings, older_than="30d")
 print(time.perf_counter() - start)
 """
 
 
-def _prune_plan(config: Path, runs: int) -> float | None:
+def _prune_plan(config: Path, runs: int, how: str = "cached") -> float | None:
     """The median time of ``plan_prune`` in a child process (killed past ``PRUNE_LIMIT_S``: then
-    ``inf``); None where det_lab has no ``plan_prune``."""
+    ``inf``); None where det_lab has no ``plan_prune``. ``how``: ``cached`` (this user's caches as
+    the last plan left them), ``first`` (no cache yet: a fresh ``XDG_CACHE_HOME`` each time) or
+    ``fresh`` (every run.json read, every tree walked)."""
     import subprocess
 
     times = []
     for _ in range(runs):
+        env = dict(os.environ)
+        if how == "first":
+            env["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="det-lab-bench-cache-")
         try:
-            out = subprocess.run([sys.executable, "-c", _PRUNE, str(config)], capture_output=True, text=True,
-                                 timeout=PRUNE_LIMIT_S, check=True).stdout.strip()
+            out = subprocess.run([sys.executable, "-c", _PRUNE, str(config), how], capture_output=True, text=True,
+                                 timeout=PRUNE_LIMIT_S, check=True, env=env).stdout.strip()
         except subprocess.TimeoutExpired:
             return float("inf")
         if out == "missing":
@@ -148,6 +158,9 @@ def measure(config: Path, runs: int) -> dict[str, float | None]:
 
     settings = load_settings(config, env={})
     out: dict[str, float | None] = {}
+    out["runs prune --older-than 30d (plan, every run.json read, every tree walked)"] = _prune_plan(config, 1, "fresh")
+    out["runs prune --older-than 30d (plan, the user's first: caches made)"] = _prune_plan(config, 1, "first")
+    _prune_plan(config, 1)  # this user's caches, as the last plan left them
     out["runs prune --older-than 30d (plan)"] = _prune_plan(config, runs)
     known = VolumeLayout.from_settings(settings).state / USED_DIR
 
@@ -162,21 +175,36 @@ def measure(config: Path, runs: int) -> dict[str, float | None]:
     return out
 
 
+def _reference() -> float:
+    """Seconds of a fixed piece of pure Python, to compare machines and loads."""
+    start = time.perf_counter()
+    sum(range(10**7))
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1000,10000", help="numbers of runs, comma-separated")
     parser.add_argument("--runs", type=int, default=3, help="repetitions per measure (median)")
-    parser.add_argument("--keep", type=Path, help="generate under DIR and keep it")
+    parser.add_argument("--keep", type=Path, help="generate under DIR/volume-N and keep it (a later run reuses it)")
     args = parser.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     results: dict[str, dict[int, float | None]] = {}
+    print(f"# {os.cpu_count()} CPUs, load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}; "
+          f"reference: sum(range(10**7)) takes {_reference():.3f} s here", flush=True)
     for n in sizes:
-        root = Path(tempfile.mkdtemp(prefix=f"det-lab-volume-{n}-", dir=args.keep))
+        root = args.keep / f"volume-{n}" if args.keep else Path(tempfile.mkdtemp(prefix=f"det-lab-volume-{n}-"))
         try:
-            start = time.perf_counter()
-            config = generate(root, n)
-            print(f"# {n} runs, {5 * n} checkpoints, 3 dataset repositories generated in "
-                  f"{time.perf_counter() - start:.1f} s", flush=True)
+            if not (root / "lab.yaml").is_file():
+                shutil.rmtree(root, ignore_errors=True)
+                root.mkdir(parents=True)
+                start = time.perf_counter()
+                generate(root, n)
+                print(f"# {n} runs, {5 * n} checkpoints, 3 dataset repositories generated in "
+                      f"{time.perf_counter() - start:.1f} s", flush=True)
+            else:
+                print(f"# {n} runs: the volume generated before under {root}", flush=True)
+            config = root / "lab.yaml"
             for name, seconds in measure(config, args.runs).items():
                 results.setdefault(name, {})[n] = seconds
                 shown = ("skipped: det_lab.trials.prune.plan_prune does not exist" if seconds is None else

@@ -39,7 +39,7 @@ from det_lab.settings import LabSettings
 from det_lab.trials import retention, run_guard
 from det_lab.trials.expconf import project_of
 from det_lab.trials.listing import user_name
-from det_lab.trials.record import JOURNAL_DIR, LocalRunRecord, run_dirs
+from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, LocalRunRecord, run_dirs
 from det_lab.volume import VolumeLayout
 
 #: run.json statuses a run can be pruned by (``running`` is refused: a live run is never deleted)
@@ -216,15 +216,15 @@ def _all_runs(settings: LabSettings, projects: Iterable[str] | None = None) -> l
 
 def _finish(settings: LabSettings, plan: Plan, every: list[LocalRunRecord]) -> Plan:
     """Sizes, permissions, shared checkpoints and tracker words for the runs a plan would delete."""
-    chosen = {r.dir for r in plan.runs}
-    others = retention.checkpoint_users(r for r in every if r.dir not in chosen) if plan.runs else {}
     for p in list(plan.runs):
         if p.refused is None:
             p.refused = cannot_remove(p.dir) or next((why for why in map(cannot_remove, p.checkpoints) if why), None)
         if p.refused is not None:
             plan.runs.remove(p)
             plan.refused.append(p)
-            continue
+    going = {r.dir for r in plan.runs}  # a run refused stays, and so does every checkpoint it lists
+    others = retention.checkpoint_users(r for r in every if r.dir not in going) if plan.runs else {}
+    for p in plan.runs:
         used = retention.used_elsewhere(others, p.dir, {c.name for c in p.checkpoints})
         p.kept_checkpoints = used
         p.checkpoints = [c for c in p.checkpoints if c.name not in used]
@@ -264,10 +264,15 @@ def plan_delete(settings: LabSettings, names: list[str]) -> Plan:
 
 
 def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses: str | None = None,
-               user: str | None = None, project: str | None = None, now: float | None = None) -> Plan:
+               user: str | None = None, project: str | None = None, now: float | None = None,
+               fresh: bool = False) -> Plan:
     """The plan of ``runs prune``: runs whose run.json has not changed for ``older_than`` (``30d``),
     whose status is one of ``statuses`` (``failed,stopped``), of Unix ``user``, in ``project``; runs
-    that train, or that this user may not delete, are listed as refused. At least one filter."""
+    that train, or that this user may not delete, are listed as refused. At least one filter.
+
+    Each run.json's facts and each tree's listing come from this user's caches
+    (:class:`~det_lab.trials.storage.FactsCache`, :class:`~det_lab.trials.trees.TreeCache`) where
+    unchanged; ``fresh`` reads every run.json and walks every tree instead (the same plan)."""
     if not any((older_than, statuses, user, project)):
         raise PruneError("say which runs to prune: --older-than, --status, --user and/or --project")
     age = parse_age(older_than) if older_than else None
@@ -277,8 +282,10 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
             settings.project(project)
         except ValueError as exc:
             raise PruneError(str(exc)) from None
-    every = _all_runs(settings)
     now = time.time() if now is None else now
+    if not fresh:
+        return _fast_prune(settings, age, wanted, user, project, now)
+    every = _all_runs(settings)
     plan, owners, chosen = Plan(), {}, []
     for run in every:
         if project and run.dir.parent.parent.name != project:
@@ -297,6 +304,90 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
             (plan.refused if p.refused else plan.runs).append(p)
     plan.runs.sort(key=lambda r: (r.project, r.changed))
     return _finish(settings, plan, every)
+
+
+def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | None, user: str | None,
+                project: str | None, now: float) -> Plan:
+    """:func:`plan_prune` from the caches: one ``stat`` per run.json; for a chosen run one
+    ``lstat`` per directory of its trees and per file (a complete checkpoint's sizes kept)."""
+    from det_lab.trials.storage import FactsCache
+    from det_lab.trials.trees import TreeCache
+
+    layout = VolumeLayout.from_settings(settings)
+    facts_cache, trees = FactsCache(settings.data_root), TreeCache(settings.data_root)
+    plan, owners, chosen = Plan(), {}, []
+    listed: list[tuple[str, Any]] = []  # (run directory, facts) of every run that can be read
+    roots: dict[tuple[str, str], Path] = {}
+    parents: set[Path] = set()
+    for name in sorted(settings.projects):
+        for d, cls in run_dirs(layout, name, probe=False):
+            parents.add(d.parent)
+            directory = str(d)
+            try:
+                facts = facts_cache.facts(os.path.join(directory, RUN_FILE))
+            except (OSError, ValueError):  # damaged: read as the plan from scratch would
+                p = _planned(settings, cls(d), owners) if not project or name == project else None
+                if p is not None and not (user and p.owner != user) and not (age is not None and now - p.changed < age) \
+                        and (wanted is None or p.status in wanted):
+                    chosen.append((p, None))
+                continue
+            if facts is None:
+                continue
+            listed.append((directory, facts))
+            owner = facts.user or user_name(facts_cache.stat.st_uid, owners)
+            if (project and name != project) or (user and owner != user) or (age is not None and now - facts.changed < age):
+                continue
+            status = "deleting" if facts.deleting else (
+                run_guard.training_status({"status": facts.status}, d) if cls.kind == "local" else facts.status)
+            if wanted is not None and status not in wanted and status != "deleting":
+                continue
+            p = PlannedRun(facts.name or d.name, facts.project, cls.kind, owner, status, d, facts.changed, record=cls(d))
+            p.state = dict(facts.scheduling or {})
+            key = (p.project, repr(facts.storage))
+            if key not in roots:
+                roots[key] = layout.experiment_checkpoints(p.project, {"checkpoint_storage": facts.storage}
+                                                           if facts.storage else None)
+            p.checkpoints = [c for c in (retention.checkpoint_path(roots[key], u) for u in facts.checkpoints) if c]
+            chosen.append((p, facts))
+    facts_cache.save()
+    tops = {}
+    with _listings([p for p, _ in chosen]):  # as plan_prune: liveness first, in the volume's order
+        for p, facts in chosen:
+            if facts is not None:
+                top = tops[id(p)] = trees.tree(str(p.dir))
+                held = run_guard.LOCK_NAME in top.names  # no lock file: nobody trains it
+                p.refused = p.refused or (live(p.record, p.state) if held else p.record.scheduled(p.state))
+            if p.refused and facts is not None:
+                p.checkpoints = [c for c in p.checkpoints if os.path.lexists(c)]
+            (plan.refused if p.refused else plan.runs).append(p)
+    plan.runs.sort(key=lambda r: (r.project, r.changed))
+    sizes: dict[str, int] = {}
+    for p in list(plan.runs):  # then whether this user may remove each tree
+        ckpts = [(c, trees.tree(str(c), checkpoint=True)) for c in p.checkpoints]
+        ckpts = [(c, t) for c, t in ckpts if t.exists]
+        p.checkpoints = [c for c, _ in ckpts]
+        sizes.update((c.name, t.bytes) for c, t in ckpts)
+        p.refused = tops[id(p)].refused or next((t.refused for _, t in ckpts if t.refused), None)
+        if p.refused:
+            plan.runs.remove(p)
+            plan.refused.append(p)
+    going = {str(p.dir) for p in plan.runs}
+    others: dict[str, str] = {}  # uuid -> the first run that stays and lists it
+    for directory, facts in listed:
+        if directory not in going:
+            who = facts.name or os.path.basename(directory)
+            for u in (*facts.checkpoints, str(facts.latest)):
+                others.setdefault(u, who)
+    for p in plan.runs:
+        p.kept_checkpoints = {c.name: others[c.name] for c in p.checkpoints if c.name in others}
+        p.checkpoints = [c for c in p.checkpoints if c.name not in p.kept_checkpoints]
+        p.bytes = tops[id(p)].bytes + sum(sizes[c.name] for c in p.checkpoints)
+        p.trackers = (_describe_trackers(LocalRunRecord(p.dir)) if JOURNAL_DIR in tops[id(p)].names
+                      else ["no tracker run recorded"])
+    trees.save()
+    dirs = parents | {LocalRunRecord.runs_root(layout, p) for p in settings.projects}
+    plan.leftovers = sorted(d for root in dirs if root.is_dir() for d in root.glob(".*.deleting"))
+    return plan
 
 
 # --- doing it ------------------------------------------------------------------------------------

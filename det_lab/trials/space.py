@@ -156,10 +156,12 @@ class _Walk:
                 continue
             known_here = known.get(current) if units else None
             known_here = known_here if isinstance(known_here, dict) else {}
+            kept_here: dict[str, Any] = {}
             with it:
                 for entry in it:
                     is_dir = entry.is_dir(follow_symlinks=False)
-                    if is_dir and units and entry.path in labels:
+                    owner_run = labels.get(entry.path) if is_dir and units else None
+                    if owner_run is not None:
                         hit = known_here.get(entry.name)
                         if hit is not None and len(hit) == 5:  # the common checkpoint: one directory, one owner
                             try:
@@ -167,11 +169,11 @@ class _Walk:
                             except OSError:
                                 continue
                             if st.st_ino == hit[0] and st.st_mtime_ns == hit[1] and st.st_ctime_ns == hit[2]:
-                                cells[(labels[entry.path], hit[4])] += hit[3]
+                                cells[(owner_run, hit[4])] += hit[3]
                                 total += hit[3]
-                                kept.setdefault(current, {})[entry.name] = hit
+                                kept_here[entry.name] = hit
                                 continue
-                        total += self._checkpoint(entry, labels[entry.path], cells, current)
+                        total += self._checkpoint(entry, owner_run, cells, current)
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
@@ -191,6 +193,8 @@ class _Walk:
                     n = st.st_blocks * 512
                     cells[(mine, st.st_uid)] += n
                     total += n
+            if kept_here:
+                kept.setdefault(current, {}).update(kept_here)
         return total
 
     def _checkpoint(self, dir_entry: os.DirEntry, run: str, cells: dict[tuple[str, int], int], parent: str) -> int:

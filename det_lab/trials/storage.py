@@ -15,29 +15,42 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
+from det_lab.trials.expconf import project_of
 from det_lab.trials.listing import user_cache
-from det_lab.trials.record import RUN_FILE, run_dirs
+from det_lab.trials.record import RUN_FILE, WAIT_KEY, run_dirs
 from det_lab.trials.run_guard import training_status
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 __all__ = ["FactsCache", "RunDataUse", "RunFacts", "data_gc", "dataset_keep", "run_facts", "trains"]
 
 
-@dataclass(frozen=True)
-class RunFacts:
-    """What the volume's clean-up needs of one run.json (kept per user between calls)."""
+class RunFacts(NamedTuple):
+    """What the volume's clean-up needs of one run.json (kept per user between calls; a tuple:
+    ten thousand of them are made from the cache per listing)."""
 
     status: str
     changed: float  # run.json's modification time
     dataset: dict[str, Any] | None  # lineage.dataset
     checkpoints: tuple[str, ...]  # the uuids run.json lists
     storage: dict[str, Any] | None  # exp_conf.checkpoint_storage: where its checkpoints are
+    # what runs prune's plan reads (det_lab.trials.prune)
+    name: str | None = None  # run.json's name
+    user: str | None = None  # run.json's user
+    project: str = "default"  # the project its exp_conf names
+    deleting: bool = False  # a deletion under way
+    latest: str | None = None  # latest_checkpoint: a resume starts there
+    scheduling: dict[str, Any] | None = None  # the keys a record's ``scheduled`` reads
+
+
+_N_FACTS = len(RunFacts._fields)  # an entry of fewer (an older det_lab's) is read again
+#: run.json's keys a run record's ``scheduled`` reads (its status, its GPU wait, its Slurm job)
+SCHEDULING_KEYS = ("status", WAIT_KEY)
 
 
 def _facts(state: dict[str, Any], changed: float) -> RunFacts:
@@ -46,8 +59,17 @@ def _facts(state: dict[str, Any], changed: float) -> RunFacts:
     conf = state.get("exp_conf")
     storage = conf.get("checkpoint_storage") if isinstance(conf, dict) else None
     uuids = tuple(str(e["uuid"]) for e in state.get("checkpoints") or [] if isinstance(e, dict) and e.get("uuid"))
+    scheduling = {k: state[k] for k in SCHEDULING_KEYS if k in state}
+    slurm = state.get("slurm")
+    if isinstance(slurm, dict) and slurm.get("job_id"):
+        scheduling["slurm"] = {"job_id": slurm["job_id"]}
     return RunFacts(str(state.get("status") or "created"), changed, ds if isinstance(ds, dict) else None, uuids,
-                    storage if isinstance(storage, dict) else None)
+                    storage if isinstance(storage, dict) else None,
+                    str(state["name"]) if state.get("name") else None,
+                    str(state["user"]) if state.get("user") else None,
+                    project_of(conf) if isinstance(conf, dict) else "default", bool(state.get("deleting")),
+                    None if state.get("latest_checkpoint") is None else str(state.get("latest_checkpoint")),
+                    scheduling)
 
 
 class FactsCache:
@@ -60,17 +82,18 @@ class FactsCache:
         self.path, self.entries = user_cache(data_root, "run-facts")
         self.seen: dict[str, Any] = {}
         self.read_again = 0
+        self.stat: os.stat_result | None = None  # of the run.json the last call looked at
 
     def facts(self, path: str) -> RunFacts | None:
         """The facts of the run.json at ``path``; None when it is gone; ``ValueError`` or
         ``OSError`` when it cannot be parsed or read."""
         try:
-            st = os.stat(path)
+            st = self.stat = os.stat(path)
         except FileNotFoundError:
             return None
         key = [st.st_ino, st.st_size, st.st_mtime_ns]
         hit = self.entries.get(path)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key:
+        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and len(hit[1]) == _N_FACTS:
             try:
                 facts = RunFacts(*hit[1])
                 self.seen[path] = hit
@@ -78,12 +101,12 @@ class FactsCache:
             except TypeError:
                 pass
         with open(path, "rb") as f:
-            st = os.fstat(f.fileno())
+            st = self.stat = os.fstat(f.fileno())
             state = loads(f.read())
         if not isinstance(state, dict):
             raise ValueError(f"{path}: not a JSON object")
         facts = _facts(state, st.st_mtime)
-        self.seen[path] = [[st.st_ino, st.st_size, st.st_mtime_ns], list(facts.__dict__.values())]
+        self.seen[path] = [[st.st_ino, st.st_size, st.st_mtime_ns], list(facts)]
         self.read_again += 1
         return facts
 
