@@ -92,12 +92,15 @@ def test_the_cached_plan_is_the_plan_from_scratch_after_the_volume_changed(team)
             _checkpoint(ckpts, u, complete=not (name == "r1" and u.endswith("c1")))
         _run(runs, ckpts, name, uuids)
     _run(runs, ckpts, "young", ["r0-c0"], old=False)  # lists r0's first checkpoint
+    _checkpoint(ckpts, "r5-c0")
+    _run(runs, ckpts, "r5", ["r3-c0", "r5-c0"])  # started from r3's first checkpoint
     _share(runs, team.a.uid, team.gid)
     _share(ckpts, team.a.uid, team.gid)
 
     first = _plan_as(team, team.b)
     assert first["cached"] == first["fresh"]
-    assert {r["name"] for r in first["cached"]["runs"]} == set(made)  # "young" is not old
+    assert {r["name"] for r in first["cached"]["runs"]} == {*made, "r5"}  # "young" is not old
+    assert {r["name"]: r for r in first["cached"]["runs"]}["r5"]["kept_checkpoints"] == {}  # r3 goes too
     again = _plan_as(team, team.b)  # now from the caches
     assert again == first
 
@@ -125,7 +128,8 @@ def test_the_cached_plan_is_the_plan_from_scratch_after_the_volume_changed(team)
     assert after["cached"] == after["fresh"], json.dumps(after, indent=1)
     plan = {r["name"]: r for r in after["cached"]["runs"]}
     refused = {r["name"]: r for r in after["cached"]["refused"]}
-    assert set(plan) == {"r0", "r1", "r2", "r4"} and set(refused) == {"r3"}
+    assert set(plan) == {"r0", "r1", "r2", "r4", "r5"} and set(refused) == {"r3"}
+    assert plan["r5"]["kept_checkpoints"] == {"r3-c0": "r3"}  # r3 stays, and so does what it lists
     assert f"{runs / 'r3' / 'logs'} is not writable by {team.b.name}" in refused["r3"]["refused"]
     assert plan["r4"]["checkpoints"] == ["r4-c0", "r4-c1", "r4-c2"]
     assert plan["r0"]["checkpoints"] == [] and plan["r0"]["kept_checkpoints"] == {"r0-c0": "young"}
