@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, state
+from det_lab.cli.common import console, err_console, fail, print_json, state
 
 if TYPE_CHECKING:
     from det_lab.reproduce.compare import Comparison
@@ -26,6 +26,8 @@ def reproduce(
     run_name: str | None = typer.Option(None, "--run", help="The new run's name (default: <run>-repro-<time>)."),
     rtol: float = typer.Option(1e-5, "--rtol", help="Relative tolerance of the metric comparison."),
     atol: float = typer.Option(1e-8, "--atol", help="Absolute tolerance of the metric comparison."),
+    as_json: bool = typer.Option(False, "--json", help="What was re-run (code, dataset, seed, environment "
+                                 "differences) and the comparison as one JSON object."),
 ) -> None:
     """Re-run a run with its code commit (and saved local changes), dataset revision, config and
     seed, then compare its metrics with the original's step by step."""
@@ -48,31 +50,46 @@ def reproduce(
         plan = rerun.prepare(settings, origin, name=run_name, continue_=continue_, record_cls=record_cls)
     except (ReproduceError, ValueError) as exc:
         fail(str(exc))
-    _environment(rows, note)
     ds = origin.lineage.get("dataset") or {}
     latest = plan.record.state()["latest_checkpoint"]
+    summary = {"original": origin.name, "found_by": origin.found_by, "run": plan.record.dir.name,
+               "from_step": plan.from_step, "from_checkpoint": latest if plan.from_step else None,
+               "code": plan.code_source, "dataset": ds, "seed": origin.seed, "hparams": origin.hparams,
+               "log": plan.record.log_file, "environment_note": note,
+               "environment": [{"distribution": n, "recorded": before, "here": after} for n, before, after in rows]}
+    if not as_json:
+        _environment(rows, note)
     start = f" from checkpoint {latest} (step {plan.from_step})" if plan.from_step else ""
-    console.print(f"reproducing {origin.name} (found by {origin.found_by}) as run {plan.record.dir.name}{start}\n"
-                  f"  code: {plan.code_source}\n"
-                  f"  dataset: {ds.get('path', '-')} at {str(ds.get('commit', '-'))[:12]} (md5 {ds.get('md5', '-')})\n"
-                  f"  seed: {origin.seed}  hyperparameters: {json.dumps(origin.hparams)}\n"
-                  f"  log: {plan.record.log_file}", highlight=False, soft_wrap=True)
+    if not as_json:
+        console.print(f"reproducing {origin.name} (found by {origin.found_by}) as run {plan.record.dir.name}{start}\n"
+                      f"  code: {plan.code_source}\n"
+                      f"  dataset: {ds.get('path', '-')} at {str(ds.get('commit', '-'))[:12]} (md5 {ds.get('md5', '-')})\n"
+                      f"  seed: {origin.seed}  hyperparameters: {json.dumps(origin.hparams)}\n"
+                      f"  log: {plan.record.log_file}", highlight=False, soft_wrap=True)
     if slurm:
         exit_code = _run_slurm(ctx, plan)
     else:
         proc = local.launch(plan.record, plan.cwd, plan.command, settings)
         exit_code = local.wait_with_progress(proc, plan.record, show=sys.stderr.isatty() or sys.stdout.isatty())
         local.record_exit(plan.record, exit_code)
+    summary["exit_code"] = exit_code
+    if as_json and (exit_code != 0 or origin.record is None):
+        print_json({**summary, "comparison": None})
     if exit_code != 0:
         fail(f"the reproduction {plan.record.dir.name} failed (exit code {exit_code}); last lines of "
              f"{plan.record.log_file}:\n{local.tail(plan.record.log_file)}", 1)
     if origin.record is None:
+        if as_json:
+            return
         console.print(f"the original's metrics are not on this volume (a cluster run): compare "
                       f"{plan.record.dir.name} with it in the tracker", highlight=False)
         return
     result = compare.compare(origin.metrics(), plan.record.metrics(), plan.from_step, rtol, atol)
     plan.record.update(reproduction=result.as_dict())
-    _comparison(result)
+    if as_json:
+        print_json({**summary, "comparison": result.as_dict()})
+    else:
+        _comparison(result)
     if result.diverged_at is not None:
         raise typer.Exit(1)
 
