@@ -49,3 +49,35 @@ def test_restore_dry_run_names_what_it_replaces_and_changes_nothing(cl, pg):  # 
     assert proc.returncode == 0, proc.stderr
     assert contents(pg, cl.db) == backed_up  # the row and the table the plan named are gone
     assert pg.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'extra'", cl.db) == "0"
+
+
+def test_backup_dry_run_names_the_backups_pruning_would_delete_and_the_backup_then_deletes_them(cl, pg):  # noqa: F811
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import yaml
+
+    from det_lab.cluster import backup as b
+    from det_lab.cluster.settings import ClusterSettings
+
+    populate(pg, cl.db, rows=5)
+    conn = b.connection(ClusterSettings.model_validate(yaml.safe_load((cl.root / ".det-lab/cluster.yaml").read_text())),
+                        Path(cl.env["DET_LAB_CLUSTER_DIR"]))
+    for t in ("2026-10-20 03:00", "2026-11-02 01:00", "2026-11-16 03:00"):
+        b.backup(conn, cl.backups, now=datetime.strptime(t, "%Y-%m-%d %H:%M").replace(tzinfo=timezone.utc))
+    before = {p.name: p.read_bytes() for p in cl.backups.iterdir()}
+    args = ("cluster", "backup", "--keep-daily", "2", "--keep-weekly", "0", "--keep-last", "1")
+    proc = cli(cl, *args, "--dry-run", "--json")
+    assert proc.returncode == 0, proc.stderr
+    plan = json.loads(proc.stdout)
+    old = [b.list_backups(cl.backups, cl.db)[i] for i in (1, 2)]  # 11-02 and 10-20: beyond the newest 2 days
+    assert sorted(plan["prunes"]) == sorted(str(p) for o in old for p in (o.dump, o.globals_file))
+    assert len(plan["writes"]) == 2 and plan["writes"][0].startswith(f"{cl.backups}/{cl.db}-")
+    text = cli(cl, *args, "--dry-run").stdout
+    assert all(f"would prune {o.dump.name} and {o.globals_file.name}" in text for o in old)
+    assert {p.name: p.read_bytes() for p in cl.backups.iterdir()} == before  # nothing dumped, nothing deleted
+
+    assert cli(cl, *args).returncode == 0
+    left = {p.name for p in cl.backups.iterdir()}
+    assert left.isdisjoint(Path(p).name for p in plan["prunes"])
+    assert set(before) - left == {Path(p).name for p in plan["prunes"]} and len(left) == 4  # 11-16 and the new one

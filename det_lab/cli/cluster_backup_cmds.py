@@ -22,20 +22,38 @@ def backup(
                                            help="Keep the newest backup of each of the last M weeks (default: backup.keep_weekly)."),
     keep_last: int | None = typer.Option(None, "--keep-last", min=1,
                                          help="Keep the newest N backups whatever their day (default: backup.keep_last)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Name the files it would write and the old backups "
+                                 "pruning would delete; dump and delete nothing."),
+    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
 ) -> None:
     """Dump the master's database (pg_dump -Fc + pg_dumpall --globals-only), then prune old backups."""
     from det_lab.cluster import backup as b
 
     lab, cluster = _load(ctx)
     directory = (to or b.default_backup_dir(lab, cluster)).absolute()
+    keep = (keep_daily or cluster.backup.keep_daily, cluster.backup.keep_weekly if keep_weekly is None else keep_weekly,
+            keep_last or cluster.backup.keep_last)
     try:
         conn = b.connection(cluster)
-        made = b.backup(conn, directory)
-        removed = b.prune(directory, conn.db, keep_daily or cluster.backup.keep_daily,
-                          cluster.backup.keep_weekly if keep_weekly is None else keep_weekly,
-                          keep_last or cluster.backup.keep_last)
+        if dry_run:
+            made = b.planned_backup(conn, directory)
+            removed = b.prune_plan(directory, conn.db, *keep, adding=made)
+        else:
+            made = b.backup(conn, directory)
+            removed = b.prune(directory, conn.db, *keep)
     except b.BackupError as exc:
         fail(str(exc))
+    if dry_run:
+        if as_json:
+            print_json({"database": conn.describe(), "writes": [str(made.dump), str(made.globals_file)],
+                        "prunes": [str(p) for r in removed for p in (r.dump, r.globals_file)]})
+            return
+        console.print(f"would write {made.dump} and {made.globals_file.name} (of {conn.describe()})",
+                      highlight=False, soft_wrap=True)
+        for r in removed:
+            console.print(f"would prune {r.dump.name} and {r.globals_file.name}", highlight=False)
+        console.print("dry run: nothing dumped or deleted", highlight=False)
+        return
     size = made.dump.stat().st_size
     console.print(f"backup {made.dump} ({size} bytes) and {made.globals_file.name} of {conn.describe()}",
                   highlight=False, soft_wrap=True)

@@ -232,6 +232,12 @@ def _remove_stale_partials(directory: Path) -> None:
             p.unlink(missing_ok=True)
 
 
+def planned_backup(conn: Connection, directory: Path, now: datetime | None = None) -> Backup:
+    """The backup :func:`backup` would write now (its file names); writes nothing."""
+    now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
+    return Backup(directory / f"{conn.db}-{now.strftime(STAMP_FORMAT)}{DUMP_SUFFIX}", now)
+
+
 def backup(conn: Connection, directory: Path, now: datetime | None = None) -> Backup:
     """Dump ``conn``'s database and the cluster's globals into ``directory``; nothing partial stays."""
     now = (now or datetime.now(timezone.utc)).astimezone(timezone.utc)
@@ -240,8 +246,7 @@ def backup(conn: Connection, directory: Path, now: datetime | None = None) -> Ba
     except OSError as exc:
         raise BackupError(f"cannot create {directory}: {exc.strerror or exc}") from None
     _remove_stale_partials(directory)
-    stem = f"{conn.db}-{now.strftime(STAMP_FORMAT)}"
-    result = Backup(directory / f"{stem}{DUMP_SUFFIX}", now)
+    result = planned_backup(conn, directory, now)
     if result.dump.exists():
         raise BackupError(f"{result.dump} already exists (one backup per second)")
     tag = f"{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(3)}{PARTIAL_SUFFIX}"
@@ -297,11 +302,17 @@ def to_keep(backups: Sequence[Backup], keep_daily: int, keep_weekly: int, keep_l
     return keep
 
 
+def prune_plan(directory: Path, db: str, keep_daily: int, keep_weekly: int, keep_last: int = 1,
+               adding: Backup | None = None) -> list[Backup]:
+    """The backups of ``db`` that :func:`prune` would delete (once ``adding`` is written too); deletes nothing."""
+    backups = list_backups(directory, db) + ([adding] if adding else [])
+    keep = to_keep(backups, keep_daily, keep_weekly, keep_last)
+    return [b for b in backups if b.dump not in keep]
+
+
 def prune(directory: Path, db: str, keep_daily: int, keep_weekly: int, keep_last: int = 1) -> list[Backup]:
     """Delete the backups of ``db`` that :func:`to_keep` does not keep; returns the deleted ones."""
-    backups = list_backups(directory, db)
-    keep = to_keep(backups, keep_daily, keep_weekly, keep_last)
-    removed = [b for b in backups if b.dump not in keep]
+    removed = prune_plan(directory, db, keep_daily, keep_weekly, keep_last)
     for b in removed:
         b.dump.unlink(missing_ok=True)
         b.globals_file.unlink(missing_ok=True)
