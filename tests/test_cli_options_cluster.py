@@ -26,6 +26,10 @@ class _Image:
 class _Container:
     def __init__(self, daemon: Daemon, name: str, image: str, labels: dict[str, str]):
         self.daemon, self.name, self.image, self.labels, self.status = daemon, name, _Image(image), labels, "running"
+        self.lines = [f"{name} line {i}" for i in range(1, 8)]
+
+    def logs(self, tail: int = 50) -> bytes:  # docker-py's Container.logs(tail=N): the last N lines, bytes
+        return "".join(line + "\n" for line in self.lines[-tail:]).encode()
 
     def stop(self, timeout: int = 10) -> None:
         self.status = "exited"
@@ -63,6 +67,11 @@ class Daemon:
                     key, _, value = label.partition("=")
                     found = [c for c in found if c.labels.get(key) == value]
                 return found
+
+            def get(self, name: str):
+                if name not in daemon.containers:
+                    raise docker.errors.NotFound(f"No such container: {name}")
+                return daemon.containers[name]
 
         class Volumes:
             def get(self, name: str):
@@ -145,6 +154,16 @@ def test_status_json_lists_this_clusters_containers_and_the_master(lab, docker_h
     cfg.write_text(yaml.safe_dump({"master_host": "127.0.0.1", "master_port": 9}))  # nothing listens
     proc = invoke(lab, "cluster", "status", "--json")
     assert proc.exit_code == 1 and json.loads(proc.stdout)["master"]["answers"] is False
+
+
+def test_logs_json_holds_each_cluster_containers_last_lines(lab, docker_here):
+    proc = invoke(lab, "cluster", "logs", "--tail", "3", "--json")
+    assert proc.exit_code == 0, proc.output
+    out = json.loads(proc.stdout)["containers"]
+    names = ["determined_determined-db_1", "determined_determined-master_1", "gpu-a"]
+    assert out == {n: docker_here.containers[n].lines[-3:] for n in names}
+    text = invoke(lab, "cluster", "logs", "--tail", "3").stdout.splitlines()
+    assert text == [f"{n} | {line}" for n in names for line in out[n]]
 
 
 @pytest.mark.parametrize("delete_db", [True, False], ids=["delete-db", "keep-db"])

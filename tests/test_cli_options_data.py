@@ -13,6 +13,7 @@ from pathlib import Path
 from det_lab import data
 from det_lab.data.git import git
 from det_lab.data.publish import dataset_repo
+from det_lab.data.registry import registry_file
 from det_lab.volume import VolumeLayout, disk_usage
 from tests.test_bad_inputs import cli
 from tests.test_data_pull import _object, _toy, toy, tree_md5  # noqa: F401  (fixtures)
@@ -132,3 +133,22 @@ def test_import_dry_run_says_what_it_writes_and_replaces_and_writes_nothing(lab)
     # refused input is refused by the dry run too, in one line
     proc = cli(lab, "data", "import", str(lab.root / "missing"), "x", "--project", "3dgs", "--dry-run")
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: {lab.root / 'missing'}: no such directory"
+
+
+def test_register_dry_run_names_the_registration_it_replaces_and_writes_nothing(toy):
+    lab, volume = toy.lab, toy.settings
+    registry = registry_file(volume)
+    before = registry.read_bytes()
+    head = git("rev-parse", "main", cwd=Path(toy.spec.repo)).strip()
+    args = ("data", "register", "toy", "--project", "vla", "--repo", toy.spec.repo, "--path", toy.spec.path,
+            "--rev", head)
+    dry, real = cli(lab, *args, "--dry-run"), cli(lab, *args)  # the same refusal, in the same one line
+    assert dry.returncode == real.returncode == 2 and dry.stderr == real.stderr
+    assert "already registered" in dry.stderr and registry.read_bytes() == before
+    proc = cli(lab, *args, "--replace", "--dry-run")
+    assert proc.returncode == 0, proc.stderr
+    assert (f"would register toy: {toy.spec.repo} {toy.spec.path}@{head} (now {head[:10]}, {len(toy.expected)} files"
+            in proc.stdout) and f"replacing {toy.spec.repo} {toy.spec.path}@{toy.spec.rev}" in proc.stdout
+    assert registry.read_bytes() == before
+    assert cli(lab, *args, "--replace").returncode == 0
+    assert data.load_registry(volume)["toy"].rev == head  # what the dry run said it would record

@@ -269,17 +269,24 @@ def status(
 def logs(
     ctx: typer.Context,
     tail: int = typer.Option(50, "--tail", "-n", help="Lines per container."),
+    as_json: bool = typer.Option(False, "--json", help="Each container's lines as one JSON object."),
 ) -> None:
     """The last lines of each cluster container's log (follow one with: docker logs -f NAME)."""
     from det_lab.cluster import deploy
 
     _lab, cluster = _load(ctx)
+    by_container: dict[str, list[str]] = {}
     try:
         client = deploy.docker_client()
         for name, line in deploy.container_logs(cluster, client, tail):
-            console.print(f"{name} | {line}", highlight=False, markup=False, soft_wrap=True)
+            if as_json:
+                by_container.setdefault(name, []).append(line)
+            else:
+                console.print(f"{name} | {line}", highlight=False, markup=False, soft_wrap=True)
     except deploy.DeployError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"containers": by_container})
 
 
 def _det_as_admin(what: str) -> tuple[str, dict[str, str]]:

@@ -36,12 +36,24 @@ def register(
     path: str = typer.Option(..., help="DVC-tracked path inside the repository (has a .dvc file)."),
     rev: str = typer.Option("HEAD", help="Branch, tag or commit."),
     replace: bool = typer.Option(False, help="Replace an existing registration of NAME."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check everything and say what it would record (and "
+                                 "which registration it replaces); write nothing."),
 ) -> None:
     """Register a dataset by name after checking that repo, revision and path exist."""
     from det_lab import data
     from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
+    if dry_run:
+        try:
+            identity, replaced = data.register_plan(name, data.DatasetSpec(project, repo, path, rev), settings,
+                                                    replace=replace)
+        except (data.DataError, ValueError) as exc:
+            fail(str(exc))
+        was = f", replacing {replaced.repo} {replaced.path}@{replaced.rev}" if replaced else ""
+        console.print(f"would register {name}: {repo} {path}@{rev} (now {identity.commit[:10]}, {identity.nfiles} "
+                      f"files, {human_bytes(identity.size)}){was}; dry run: nothing written", highlight=False)
+        return
     try:
         identity = data.register(name, data.DatasetSpec(project, repo, path, rev), settings, replace=replace)
     except (data.DataError, ValueError) as exc:

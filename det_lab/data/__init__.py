@@ -23,7 +23,7 @@ from det_lab.settings import LabSettings, load_settings
 
 __all__ = [
     "DataError", "DatasetIdentity", "DatasetSpec", "DatasetStatus", "ProjectListing", "PulledDataset",
-    "list_volume", "load_registry", "pull", "register", "resolve", "status",
+    "list_volume", "load_registry", "pull", "register", "register_plan", "resolve", "status",
 ]
 
 
@@ -46,6 +46,18 @@ def register(name: str, spec: DatasetSpec, settings: LabSettings | None = None, 
     identity = resolve(spec)
     _register(settings, name, spec, replace=replace)
     return identity
+
+
+def register_plan(name: str, spec: DatasetSpec, settings: LabSettings | None = None, *,
+                  replace: bool = False) -> tuple[DatasetIdentity, DatasetSpec | None]:
+    """What :func:`register` would record, refused as it would refuse it: the identity ``spec``
+    resolves to now and the registration of ``name`` it replaces (None: none); writes nothing."""
+    settings = settings or load_settings()
+    settings.project(spec.project)
+    load_registry(settings)
+    require_writable(settings)
+    identity = resolve(spec)
+    return identity, _register(settings, name, spec, replace=replace, dry_run=True)
 
 
 def status(dataset: str | DatasetSpec, settings: LabSettings | None = None) -> DatasetStatus:

@@ -6,6 +6,7 @@ on one machine resolves on every machine. Writes are atomic and serialised by a 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,18 +57,24 @@ def lookup(settings: LabSettings, name: str) -> DatasetSpec:
     return registry[name]
 
 
-def register(settings: LabSettings, name: str, spec: DatasetSpec, *, replace: bool = False) -> None:
-    """Record ``spec`` under ``name``. The caller validates the spec (see ``data.inspect``)."""
+def register(settings: LabSettings, name: str, spec: DatasetSpec, *, replace: bool = False,
+             dry_run: bool = False) -> DatasetSpec | None:
+    """Record ``spec`` under ``name`` (``dry_run``: check only, write nothing); returns the
+    registration it replaces (None: ``name`` was new or held ``spec``). The caller validates the
+    spec (see ``data.inspect``)."""
     if not name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise DataError(f"dataset name {name!r} may only hold letters, digits, '-', '_' and '.'")
     settings.project(spec.project)
     path = registry_file(settings)
     if not path.parent.is_dir():
         raise DataError(f"{path.parent} does not exist: run 'det-lab init' first")
-    with VolumeLock(path.with_suffix(".lock")):
+    with nullcontext() if dry_run else VolumeLock(path.with_suffix(".lock")):
         registry = load_registry(settings)
         if name in registry and registry[name] != spec and not replace:
             raise DataError(f"dataset {name!r} is already registered as {registry[name]}; pass --replace")
-        registry[name] = spec
-        text = yaml.safe_dump({n: asdict(s) for n, s in sorted(registry.items())}, sort_keys=False)
-        atomic_write_text(path, text)
+        before = registry.get(name)
+        if not dry_run:
+            registry[name] = spec
+            text = yaml.safe_dump({n: asdict(s) for n, s in sorted(registry.items())}, sort_keys=False)
+            atomic_write_text(path, text)
+    return None if before == spec else before
