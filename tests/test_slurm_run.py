@@ -326,3 +326,25 @@ def test_a_slurm_run_keeps_checkpoints_by_determineds_keys_and_is_not_deleted_wh
     assert not any((ckpts / d["uuid"]).exists() for d in st["checkpoints_deleted"])
     slurm_lab.cli("runs", "delete", run_dir.name, "--yes", check=True)  # the job ended: it may go now
     assert not run_dir.exists() and not (ckpts / st["latest_checkpoint"]).exists()
+
+
+def test_run_names_a_new_slurm_run_and_a_taken_name_is_refused(slurm_lab):
+    """``--run NAME`` without ``--resume`` names the new run, as for --local (it used to be refused
+    as a resume); the same name again is one line naming the run's job script, and creates nothing."""
+    short = ["--set", "data.det_lab.max_length.batches=10", "--set", "min_checkpoint_period.batches=10"]
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--run", "named-on-slurm", "--wait", *short)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("run named-on-slurm: Slurm job ")
+    run_dir = runs_dir(slurm_lab) / "named-on-slurm"
+    st = state(run_dir)
+    assert (st["name"], st["kind"], st["status"], st["latest_checkpoint_step"]) == ("named-on-slurm", "slurm", "finished", 10)
+    assert f"-m det_lab.slurm.job {run_dir}" in (run_dir / "job.sbatch").read_text()
+
+    before = _existing(slurm_lab)
+    again = slurm_lab.cli("run", str(TINY), "--slurm", "--run", "named-on-slurm", *short)
+    assert again.returncode == 2, again.stdout + again.stderr
+    (line,) = again.stderr.strip().splitlines()
+    assert line.startswith("error: run named-on-slurm exists") and f"sbatch {run_dir / 'job.sbatch'}" in line, line
+    resumed = slurm_lab.cli("run", str(TINY), "--slurm", "--resume", "--run", "named-on-slurm")
+    assert resumed.returncode == 2 and "resumes by resubmitting its job script" in resumed.stderr
+    _nothing_created(slurm_lab, before)

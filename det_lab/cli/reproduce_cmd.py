@@ -125,15 +125,8 @@ def _comparison(result: Comparison) -> None:
 
 def _run_slurm(ctx: typer.Context, plan) -> int:
     """Submit the prepared run as a Slurm job and follow it to its end."""
-    from det_lab.cli.slurm_cmds import load, wait_for
-    from det_lab.slurm import run as slurm_run
-    from det_lab.slurm import submit
+    from det_lab.services.launch import submit_prepared, wait_for
 
-    settings, slurm = load(ctx)
-    try:
-        where = slurm_run.place(slurm, plan.record.state()["exp_conf"], None, None)
-        job_id = slurm_run.submit_run(plan.record, settings, slurm, where)
-    except (submit.SlurmError, ValueError) as exc:
-        fail(str(exc))
+    job_id = submit_prepared(state(ctx).settings, plan.record)
     console.print(f"  Slurm job {job_id}", highlight=False)
-    return wait_for(plan.record, job_id)
+    return wait_for(plan.record, job_id, lambda what: console.print(what, highlight=False))

@@ -36,15 +36,15 @@ def run(
     queue: bool = typer.Option(False, "--queue", help="With --local: wait in line when the GPUs are taken."),
 ) -> None:
     """Train a template: here with --local, as a Slurm job with --slurm (on Determined: det experiment create)."""
+    if slurm and local_mode:
+        fail("pass --local (train here) or --slurm (a Slurm job), not both")
     if slurm:
-        from det_lab.cli.slurm_cmds import run_slurm
-
-        if resume or run_name:
+        if resume:
             fail("a Slurm run resumes by resubmitting its job script: sbatch <run directory>/job.sbatch "
                  "(det-lab runs show NAME prints it)")
         if gpus is not None or queue:
             fail("--gpus and --queue are for --local runs; Slurm chooses a job's GPUs and queues it itself")
-        return run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed)
+        return _run_slurm(ctx, template, config, overrides, partition, time_limit, wait, seed, run_name)
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
     from det_lab.gpus import GpusError, LocalClaim
@@ -81,6 +81,39 @@ def run(
         raise typer.Exit(code if code > 0 else 1)
 
 
+def _run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list[str], partition: str | None,
+               time_limit: str | None, wait: bool, seed: int | None, name: str | None) -> None:
+    """``det-lab run T --slurm``: the run recorded on the volume, its trial submitted as a Slurm job."""
+    from det_lab.services.launch import show_search, submit_template, wait_for
+    from det_lab.slurm import submit
+
+    def say(what: object) -> None:
+        console.print(what, highlight=False)
+
+    done = submit_template(state(ctx).settings, template, config, sets, partition=partition, time_limit=time_limit,
+                           seed=seed, name=name)
+    where = done.where
+    if done.search is not None:
+        st = done.search.state()
+        n, _, c = st["array"].removeprefix("0-").partition("%")
+        say(f"search {st['name']}: Slurm job array {done.job_id} ({int(n) + 1} trials, at most {c} at a time)\n"
+            f"  job script: {done.search.job_script}\n  study: {done.search.dir / 'optuna.journal'}\n"
+            f"  table: det-lab slurm search {st['name']}\n"
+            f"  dashboard: optuna-dashboard {done.search.dir / 'optuna.journal'}")
+        if wait:
+            submit.wait_array(done.job_id)
+            raise typer.Exit(show_search(done.search, say))
+        return
+    assert done.run is not None
+    rst = done.run.state()
+    gpus = f", {where.nodes} node(s) x {where.gpus_per_node} GPU(s)" if where.gpus_per_node else ""
+    say(f"run {rst['name']}: Slurm job {done.job_id} (partition {where.partition}{gpus})\n"
+        f"  hyperparameters: {json.dumps(rst['hparams'])}\n  job script: {done.run.job_script}\n"
+        f"  log: {done.run.log_file}\n  follow: det-lab runs tail -f {rst['name']}")
+    if wait:
+        raise typer.Exit(wait_for(done.run, done.job_id, say))
+
+
 def _warn(message: str) -> None:
     err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
@@ -89,7 +122,7 @@ def _summary(run_: LocalRunRecord, code: int, settings: LabSettings) -> None:
     from rich.table import Table
 
     from det_lab import templates
-    from det_lab.core import local_checkpoint_dir
+    from det_lab.trials.session import local_checkpoint_dir
     from det_lab.trials import local
 
     st = run_.state()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -17,29 +17,11 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
                   no_args_is_help=True)
 
-#: run.json statuses after which a run's trial will not run again on its own
-ENDED = {"finished", "failed", "stopped", "cancelled", "pruned"}
-
-
-def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True,
-             probe: bool = True) -> list[LocalRunRecord]:
-    """Every run of ``project`` (default: all projects), by the time of its run.json unless not
-    ``ordered``; ``probe``: see :func:`det_lab.trials.record.run_dirs`."""
-    from det_lab.trials.record import run_dirs
-    from det_lab.volume import VolumeLayout
-
-    layout = VolumeLayout.from_settings(settings)
-    projects = [project] if project else sorted(settings.projects)
-    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered)]
-    return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
-
-
 def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
-    """The run called ``name`` in any project; one error line if there is none."""
-    for run in all_runs(settings):
-        if run.dir.name == name:
-            return run
-    fail(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
+    """The run called ``name`` (:func:`det_lab.trials.listing.find_run`)."""
+    from det_lab.trials.listing import find_run as find
+
+    return find(settings, name)
 
 
 def read_state(run: LocalRunRecord) -> dict:
@@ -48,79 +30,6 @@ def read_state(run: LocalRunRecord) -> dict:
         return run.state()
     except ValueError as exc:
         fail(str(exc), 1)
-
-
-def _where(run: LocalRunRecord, st: dict) -> str:
-    slurm = st.get("slurm") or {}
-    if not slurm:
-        return st.get("host", "this machine") if run.kind == "local" else run.kind
-    attempts = slurm.get("attempts") or []
-    node = attempts[-1]["node"] if attempts else "-"
-    return f"job {slurm.get('job_id', '-')} on {node}" + (f" ({len(attempts)} starts)" if len(attempts) > 1 else "")
-
-
-def _slurm_job(run: LocalRunRecord, st: dict) -> dict[str, str] | None | bool:
-    """``scontrol show job`` of a Slurm run still going by run.json (None: Slurm forgot it);
-    False when there is nothing to ask (not a Slurm run, ended, no job, or Slurm not answering)."""
-    job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
-    if (st.get("status") or "created") in ENDED or not job_id:  # most runs of a long listing: asked nothing
-        return False
-    from det_lab.slurm import submit
-    from det_lab.slurm.record import SlurmRunRecord
-
-    if not isinstance(run, SlurmRunRecord):
-        return False
-    try:
-        return submit.job_state(job_id)
-    except submit.SlurmError:
-        return False
-
-
-#: "not asked yet": live_status and waiting ask Slurm themselves
-_ASK: Any = object()
-
-
-def live_status(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str:
-    """run.json's status, corrected by Slurm for a job that ended without the driver saying so,
-    and by the trainer lock for a local run whose trainer died (``st`` and ``job``: the run's state
-    and :func:`_slurm_job`, when the caller has them)."""
-    st = run.state() if st is None else st
-    status = st.get("status") or "created"
-    job = _slurm_job(run, st) if job is _ASK else job
-    if job is False:
-        if run.kind == "local" and status in ("running", "created"):  # "running" only while its trainer lives
-            from det_lab.trials.run_guard import training_status
-
-            return training_status(st, run.dir)
-        return status
-    from det_lab.slurm import submit
-
-    if job is None or job.get("JobState") in submit.FINAL_STATES:
-        return (job or {}).get("JobState", "gone").lower()
-    return job["JobState"].lower()
-
-
-def run_owner(run: LocalRunRecord, st: dict) -> str:
-    """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
-    from det_lab.trials.listing import user_name
-
-    return st.get("user") or user_name(run.run_file.stat().st_uid, {})
-
-
-def waiting(run: LocalRunRecord, st: dict | None = None, job: dict | None | bool = _ASK) -> str | None:
-    """Why a run waits, in words: a Slurm run's pending job (e.g. a per-user GPU limit), a local run in
-    this machine's line for GPUs; None when it does not wait."""
-    st = run.state() if st is None else st
-    if run.kind == "local" and st.get("status") == "waiting":
-        from det_lab.gpus import waiting_words
-
-        return waiting_words(st.get("name", run.dir.name)) or "not in line any more: its det-lab run is gone"
-    job = _slurm_job(run, st) if job is _ASK else job
-    if not job or job.get("JobState") != "PENDING":
-        return None
-    from det_lab.accounting.limits import pending_words
-
-    return pending_words(job)
 
 
 @app.command("list")
@@ -137,7 +46,8 @@ def list_runs(
             settings.project(project)
         except ValueError as exc:
             fail(str(exc))
-    from det_lab.trials.listing import Listed, ListingCache, Unlisted, user_name
+    from det_lab.services.runs import live_status, slurm_job, waiting, where
+    from det_lab.trials.listing import Listed, ListingCache, Unlisted, all_runs, user_name
     from det_lab.watchdog import notice_line
 
     cache = ListingCache(settings.data_root)
@@ -159,12 +69,12 @@ def list_runs(
         owner = st.get("user") or user_name(listed.uid, owners)
         if user and owner != user:
             continue
-        job = _slurm_job(run, st)  # asked once, for the status and the reason it waits
+        job = slurm_job(run, st)  # asked once, for the status and the reason it waits
         status = live_status(run, st, job)
         rows.append((listed.changed, {"name": st["name"], "kind": run.kind, "template": st.get("template"),
                      "status": status, "step": listed.step, "of": st.get("max_length"),
                      "watchdog": notice_line(run.dir) if status in ("running", "stopped", "cancelled") else None,
-                     "where": _where(run, st), "dir": str(run.dir),
+                     "where": where(run, st), "dir": str(run.dir),
                      "metric": next(iter(listed.validation.items()), None), "user": owner,
                      "waiting": waiting(run, st, job)}))
     cache.save(complete=project is None)
@@ -186,50 +96,48 @@ def list_runs(
 
 
 @app.command()
-def show(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name (det-lab runs list).")) -> None:
+def show(
+    ctx: typer.Context,
+    name: str = typer.Argument(..., help="The run's name (det-lab runs list)."),
+    as_json: bool = typer.Option(False, "--json", help="The run's record as one JSON object."),
+) -> None:
     """A run's record: config, hyperparameters, checkpoints, where it ran, tracking."""
     from rich.table import Table
 
-    run = find_run(state(ctx).settings, name)
-    st = read_state(run)
-    step, val = run.progress()
-    job = _slurm_job(run, st)
-    table = Table(title=f"{st['name']} ({run.kind}): {live_status(run, st, job)}", show_header=False,
-                  title_justify="left")
-    table.add_row("directory", str(run.dir))
-    table.add_row("user", run_owner(run, st))
-    why = waiting(run, st, job)
-    if why:
-        table.add_row("waiting", why.removeprefix("waiting: "))
-    table.add_row("config", str(st.get("config")))
-    table.add_row("hyperparameters", json.dumps(st.get("hparams")))
-    table.add_row("progress", f"{step} of {st.get('max_length')} {st.get('max_length_unit', '')}")
-    if val:
-        table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in val.items()))
-    ckpts = st.get("checkpoints") or []
-    table.add_row("checkpoints", f"{len(ckpts)}; latest {st.get('latest_checkpoint')} (step {st.get('latest_checkpoint_step')})")
-    from det_lab.trials.retention import explain
+    from det_lab.services.runs import describe
 
-    for row in explain(run):  # what retention kept and why, what it deleted
+    run = find_run(state(ctx).settings, name)
+    read_state(run)  # a damaged run.json: its one error line, exit 1
+    d = describe(run)
+    if as_json:
+        typer.echo(json.dumps(d, default=str))
+        return
+    table = Table(title=f"{d['name']} ({d['kind']}): {d['status']}", show_header=False, title_justify="left")
+    table.add_row("directory", d["directory"])
+    table.add_row("user", d["user"])
+    if d["waiting"]:
+        table.add_row("waiting", d["waiting"].removeprefix("waiting: "))
+    table.add_row("config", str(d["config"]))
+    table.add_row("hyperparameters", json.dumps(d["hparams"]))
+    table.add_row("progress", f"{d['step']} of {d['max_length']} {d['max_length_unit']}")
+    if d["validation"]:
+        table.add_row("last validation", ", ".join(f"{k}={v:.5g}" for k, v in d["validation"].items()))
+    table.add_row("checkpoints", f"{len(d['checkpoints'])}; latest {d['latest_checkpoint']} "
+                                 f"(step {d['latest_checkpoint_step']})")
+    for row in d["retention"]:  # what retention kept and why, what it deleted
         table.add_row(f"  step {row['step']}", f"{row['state']}: {row['why']}; {row['uuid']}")
-    slurm = st.get("slurm") or {}
+    slurm = d["slurm"] or {}
     if slurm:
         table.add_row("slurm job", f"{slurm.get('job_id')} in partition {slurm.get('partition')}, "
                                    f"{slurm.get('nodes')} node(s) x {slurm.get('gpus_per_node')} GPU(s)")
         for a in slurm.get("attempts") or []:
             table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']})")
         table.add_row("job script", str(slurm.get("script")))
-    from det_lab.trials.gpu_sampler import summary_lines
-    from det_lab.watchdog import notice_line
-
-    efficiency = st.get("gpu_efficiency")
-    for i, line in enumerate(summary_lines(efficiency) if isinstance(efficiency, dict) else []):
+    for i, line in enumerate(d["gpu_efficiency"]):
         table.add_row("GPU efficiency" if i == 0 else "", line)
-    notice = notice_line(run.dir)
-    if notice:
-        table.add_row("watchdog", notice)
-    summary = run.tracking_summary()
-    for b in (summary or {}).get("backends", []):
+    if d["watchdog"]:
+        table.add_row("watchdog", d["watchdog"])
+    for b in d["tracking"]:
         table.add_row(b["backend"], f"run {b['run_id']}: {b['delivered']} events delivered, {b['pending']} pending")
     console.print(table)
 
@@ -242,6 +150,8 @@ def tail(
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing until the run ends."),
 ) -> None:
     """The run's log (train.log): its last lines, and with -f what follows."""
+    from det_lab.services.runs import FINAL, live_status
+
     run = find_run(state(ctx).settings, name)
     try:
         text = run.log_file.read_text(errors="replace")
@@ -262,7 +172,7 @@ def tail(
         if chunk:
             pos += len(chunk)
             typer.echo(chunk.decode(errors="replace"), nl=False)
-        elif live_status(run) in ENDED | {"completed", "cancelled", "gone", "failed", "timeout"}:
+        elif live_status(run) in FINAL:
             return
         time.sleep(0.5)
 
@@ -273,6 +183,8 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     local run's trial is signalled on the machine it trains on."""
     from det_lab.slurm import submit
     from det_lab.slurm.record import SlurmRunRecord
+
+    from det_lab.trials.run_state import ENDED
 
     run = find_run(state(ctx).settings, name)
     st = read_state(run)

@@ -33,6 +33,11 @@ def _slurm(
     ctx.meta[_META_KEY] = slurm_config
 
 
+def say(what: object) -> None:
+    """Print a line (no rich markup read in it) or a rich renderable."""
+    console.print(what, highlight=False)
+
+
 def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
     """The lab settings and the Slurm section; a bad file is one error line."""
     from det_lab.slurm.settings import SlurmConfigError, load_slurm_settings
@@ -100,134 +105,6 @@ def _write_slurmdbd(slurm: SlurmSettings, out: Path) -> tuple[Path, str | None]:
     return pw_file, note
 
 
-def run_slurm(ctx: typer.Context, template: str, config: Path | None, sets: list[str], partition: str | None,
-              time_limit: str | None, wait: bool, seed: int | None) -> None:
-    """``det-lab run T --slurm``: the run recorded on the volume, its trial submitted as a Slurm job."""
-    from det_lab.slurm import run as slurm_run
-    from det_lab.slurm import submit
-    from det_lab.slurm.record import SlurmRunRecord
-    from det_lab.slurm.search import is_search
-    from det_lab.trials import local
-
-    settings, slurm = load(ctx)
-    try:
-        tdir = local.resolve_template(template)
-        _, conf = local.load_config(tdir, config)
-        conf = apply_sets(conf, sets)
-        where = slurm_run.place(slurm, conf, partition, time_limit, charged_account(slurm, conf, str(config or tdir)))
-        if is_search(conf):
-            search, job_id = slurm_run.submit_search(settings, slurm, tdir, conf, str(config or tdir), where, seed)
-        else:
-            run_, _, _ = local.prepare(settings, template, config, False, seed, record_cls=SlurmRunRecord,
-                                       overrides=list(sets))
-            job_id = slurm_run.submit_run(run_, settings, slurm, where)
-    except (local.RunError, submit.SlurmError, ValueError) as exc:
-        fail(str(exc))
-    if is_search(conf):
-        st = search.state()
-        n, _, c = st["array"].removeprefix("0-").partition("%")
-        console.print(f"search {st['name']}: Slurm job array {job_id} ({int(n) + 1} trials, at most {c} at a time)\n"
-                      f"  job script: {search.job_script}\n  study: {search.dir / 'optuna.journal'}\n"
-                      f"  table: det-lab slurm search {st['name']}\n"
-                      f"  dashboard: optuna-dashboard {search.dir / 'optuna.journal'}", highlight=False)
-        if wait:
-            submit.wait_array(job_id)
-            raise typer.Exit(_search_table(search))
-        return
-    st = run_.state()
-    gpus = f", {where.nodes} node(s) x {where.gpus_per_node} GPU(s)" if where.gpus_per_node else ""
-    console.print(f"run {st['name']}: Slurm job {job_id} (partition {where.partition}{gpus})\n"
-                  f"  hyperparameters: {json.dumps(st['hparams'])}\n  job script: {run_.job_script}\n"
-                  f"  log: {run_.log_file}\n  follow: det-lab runs tail -f {st['name']}", highlight=False)
-    if wait:
-        raise typer.Exit(wait_for(run_, job_id))
-
-
-def charged_account(slurm: SlurmSettings, conf: dict, source: str) -> str | None:
-    """With accounting, the run's project: the Slurm account it charges, after checking that Slurm's
-    limits can ever admit its GPUs (one line naming the limit when they cannot)."""
-    if slurm.accounting is None:
-        return None
-    import os
-    import pwd
-
-    from det_lab.accounting.limits import limits_for, refusal
-    from det_lab.accounting.sync import AccountingError
-    from det_lab.trials.expconf import lab_section
-
-    project = lab_section(conf, source).project
-    raw = (conf.get("resources") or {}).get("slots_per_trial")
-    gpus = 1 if raw is None else int(raw)
-    user = pwd.getpwuid(os.geteuid()).pw_name
-    try:
-        why = refusal(limits_for(slurm.cluster_name, user, project), gpus, str(slurm.source or "slurm.yaml"))
-    except AccountingError as exc:
-        raise ValueError(str(exc)) from None
-    if why:
-        raise ValueError(why)
-    return project
-
-
-def wait_for(run_, job_id: str) -> int:
-    """Follow the job until it has ended for good; the trial's outcome as an exit code."""
-    import sys
-
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from det_lab.slurm import submit
-
-    st = run_.state()
-    total = st["max_length"] if st.get("max_length_unit") == "batches" else None
-    show = sys.stderr.isatty() or sys.stdout.isatty()
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    with Progress(*columns, disable=not show, transient=False) as bar:
-        task = bar.add_task(f"job {job_id}", total=total)
-
-        def changed(job: dict[str, str]) -> None:
-            where = f" on {job['NodeList']}" if job.get("NodeList") not in (None, "", "(null)") else ""
-            restarts = f" (restart {job['Restarts']})" if job.get("Restarts", "0") != "0" else ""
-            bar.console.print(f"job {job_id}: {job.get('JobState')}{where}{restarts}", highlight=False)
-
-        def tick() -> None:
-            step, _ = run_.progress()
-            bar.update(task, completed=step)
-
-        try:
-            job = submit.wait(job_id, on_change=changed, tick=tick)
-        except KeyboardInterrupt:
-            console.print(f"stopped waiting; job {job_id} goes on (cancel it with: det-lab runs cancel {st['name']})",
-                          highlight=False)
-            return 130
-        tick()
-    st = run_.state()
-    step, val = run_.progress()
-    status = st.get("status")
-    if status not in ("finished", "stopped", "failed"):
-        status = (job or {}).get("JobState", "gone").lower()  # the job ended before the trial could say
-    metrics = ", ".join(f"{k}={v:.5g}" for k, v in val.items() if k not in ("batches", "epochs"))
-    console.print(f"{st['name']}: {status} at step {step} of {st['max_length']}; latest checkpoint "
-                  f"{st.get('latest_checkpoint')}" + (f"; last validation {metrics}" if metrics else ""),
-                  highlight=False)
-    if status == "finished":
-        return 0
-    from det_lab.trials import local
-
-    console.print(local.tail(run_.log_file), highlight=False)
-    return int(st.get("exit_code") or 0) or 1
-
-
-def apply_sets(conf: dict, sets: list[str]) -> dict:
-    """``--set KEY=VALUE`` overrides applied to an experiment config (ValueError: one line)."""
-    if not sets:
-        return conf
-    from det_lab.templates import TemplateError, apply_overrides
-
-    try:
-        return apply_overrides(conf, list(sets))
-    except TemplateError as exc:
-        raise ValueError(str(exc)) from None
-
-
 @app.command()
 def search(
     ctx: typer.Context,
@@ -248,31 +125,9 @@ def search(
     if as_json:
         typer.echo(json.dumps({"trials": s.rows(), "best": s.best()}, default=str))
         return
-    raise typer.Exit(_search_table(s))
+    from det_lab.services.launch import show_search
 
-
-def _search_table(s) -> int:
-    """Print the search's table; 0 when there is a best trial."""
-    from rich.table import Table
-
-    st = s.state()
-    metric = st["searcher"]["metric"]
-    table = Table("trial", "task", "state", f"{metric}", "step", "hyperparameters", "run",
-                  title=f"search {st['name']} ({st['searcher']['name']}, {st['array']})", title_justify="left")
-    for r in s.rows():
-        value = f"{r['value']:.5g}" if r["value"] is not None else ""
-        params = ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r["params"].items())
-        table.add_row(str(r["number"]), str(r["array_task"]), r["state"], value, str(r["step"] or ""), params,
-                      str(r["run"]))
-    console.print(table)
-    best = s.best()
-    if best is None:
-        console.print("best: none yet (no trial has finished)", highlight=False)
-        return 1
-    console.print(f"best: trial {best['number']} {metric}={best['value']:.5g} run {best['run']} "
-                  f"params {json.dumps(best['params'])}", highlight=False)
-    console.print(f"dashboard: optuna-dashboard {s.dir / 'optuna.journal'}", highlight=False)
-    return 0
+    raise typer.Exit(show_search(s, say))
 
 
 @app.command()

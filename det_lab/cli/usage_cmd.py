@@ -18,51 +18,15 @@ def usage(
 ) -> None:
     """Who used the GPUs, on what: sacct's jobs (user, project, GPUs, time, outcome) with their det_lab runs
     (run, template, dataset, code commit)."""
-    from det_lab.accounting.usage import (
-        UsageError,
-        all_jobs,
-        join,
-        parse_since,
-        summarize,
-    )
-    from det_lab.cli.runs_cmds import all_runs
-    from det_lab.trials.expconf import project_of
-    from det_lab.volume import VolumeLayout
+    from det_lab.services.usage import usage_report
 
     if as_json and as_csv:
         fail("pass --json or --csv, not both")
-    settings = state(ctx).settings
-    try:
-        start = parse_since(since)
-        summarize([], by)  # checks --by before sacct runs
-        jobs = all_jobs(settings, start, lambda msg: err_console.print(f"warning: {msg}", style="yellow",
-                                                                         highlight=False, markup=False))
-    except UsageError as exc:
-        fail(str(exc))
-
-    layout = VolumeLayout.from_settings(settings)
-
-    def records():  # each run.json read once; the order does not matter to the join
-        for run in all_runs(settings, ordered=False):
-            try:
-                st = run.state()
-            except ValueError as exc:  # one damaged run.json: its jobs go unjoined, said once
-                err_console.print(f"warning: {exc}", style="yellow", highlight=False, markup=False)
-                continue
-            conf = st.get("exp_conf") or {}
-            yield st, layout.experiment_checkpoints(project_of(conf), conf)
-
-    jobs = join(jobs, records())
-    summary = summarize(jobs, by)
-    from det_lab.watchdog import idle_gpu_hours
-
-    idle = idle_gpu_hours(settings.data_root, start.date())  # what the watchdog saw held and idle
-    if by == "user":
-        summary = [{**r, "idle_gpu_hours": round(idle.get(r["user"], 0.0), 6)} for r in summary]
+    report = usage_report(state(ctx).settings, since, by, lambda msg: err_console.print(
+        f"warning: {msg}", style="yellow", highlight=False, markup=False))
+    start, summary, jobs = report.since, report.summary, report.jobs
     if as_json:
-        typer.echo(json.dumps({"since": start.isoformat(timespec="seconds"), "by": by, "summary": summary,
-                               "idle_gpu_hours": {u: round(h, 6) for u, h in sorted(idle.items())},
-                               "jobs": [j.as_dict() for j in jobs]}))
+        typer.echo(json.dumps(report.as_dict()))
         return
     if as_csv:
         import csv

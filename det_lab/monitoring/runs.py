@@ -29,11 +29,11 @@ from det_lab.trials import record as records
 from det_lab.trials.listing import read_signed, stat_signature, user_name
 from det_lab.trials.record import METRICS_FILE, RUN_FILE
 from det_lab.trials.run_guard import training_status
+from det_lab.trials.run_state import LIVE, RunStatus
 from det_lab.volume import VolumeLayout
 
-LIVE = {"running"}
 #: a local run whose trainer vanished without recording an end (run_guard.training_status)
-DIED = "died"
+DIED = RunStatus.DIED.value
 
 
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:

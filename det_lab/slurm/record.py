@@ -15,10 +15,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from det_lab.trials.record import LocalRunRecord, register
+from det_lab.trials.run_state import ENDED
 
 JOB_SCRIPT = "job.sbatch"
 #: run.json statuses after which the job will not start the trial again
-ENDED_STATUSES = ("finished", "failed", "stopped", "cancelled", "pruned")
+ENDED_STATUSES = ENDED
 
 
 @register

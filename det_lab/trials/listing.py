@@ -27,8 +27,10 @@ import orjson
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
-                                   parse_run_file)
-from det_lab.volume import atomic_write_text
+                                   parse_run_file, run_dirs)
+from det_lab.trials.run_state import RunState
+from det_lab.settings import LabSettings
+from det_lab.volume import VolumeLayout, atomic_write_text
 
 #: the run.json keys a listing shows (the rest, lineage included, stays in the file)
 _SHOWN = ("name", "template", "status", "max_length", "host", "user")
@@ -250,3 +252,30 @@ class ListingCache:
             atomic_write_text(self.path, text, mode=0o600)
         except OSError:
             pass
+
+
+class RunNotFound(UserError, LookupError):
+    """No run of that name on the volume."""
+
+
+def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True,
+             probe: bool = True) -> list[LocalRunRecord]:
+    """Every run of ``project`` (default: all projects), by the time of its run.json unless not
+    ``ordered``; ``probe``: see :func:`det_lab.trials.record.run_dirs`."""
+    layout = VolumeLayout.from_settings(settings)
+    projects = [project] if project else sorted(settings.projects)
+    runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered)]
+    return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
+
+
+def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
+    """The run called ``name`` in any project; :class:`RunNotFound` (one line) if there is none."""
+    for run in all_runs(settings):
+        if run.dir.name == name:
+            return run
+    raise RunNotFound(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
+
+
+def run_owner(run: LocalRunRecord, st: RunState) -> str:
+    """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
+    return st.get("user") or user_name(run.run_file.stat().st_uid, {})

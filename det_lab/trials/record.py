@@ -29,11 +29,12 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final, cast
 
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
+from det_lab.trials.run_state import RunState, RunStatus  # noqa: F401  (RunStatus: re-exported)
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 RUN_FILE = "run.json"
@@ -43,11 +44,11 @@ TRACKING_SUMMARY_FILE = "tracking-summary.json"
 JOURNAL_DIR = "tracking-journal"
 WORK_DIR = "work"
 #: run.json key of a ``det-lab reproduce`` run: which run (and checkpoint) it reproduces
-REPRODUCES_KEY = "reproduces"
+REPRODUCES_KEY: Final = "reproduces"
 #: run.json key of the progress an ended run reached (:meth:`RunRecord.record_end`)
-PROGRESS_KEY = "progress"
+PROGRESS_KEY: Final = "progress"
 #: run.json key of a local run waiting in line for GPUs: the host and pid of its ``det-lab run``
-WAIT_KEY = "waiting_for_gpus"
+WAIT_KEY: Final = "waiting_for_gpus"
 
 
 #: how append_metrics starts its lines (json.dumps of {"group", "step", "metrics"}, in that order)
@@ -77,7 +78,7 @@ def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
     if problem:
         raise RunRecordError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
                          "restore its run.json from a backup or start a new run")
-    return state
+    return cast(dict[str, Any], state)
 
 
 def parse_progress(data: bytes) -> tuple[int, dict[str, float]]:
@@ -174,14 +175,16 @@ class RunRecord:
 
     # --- state ---------------------------------------------------------------------------------------
 
-    def state(self) -> dict[str, Any]:
-        return read_run_file(self.run_file)
+    def state(self) -> RunState:
+        """The run's ``run.json`` (:class:`~det_lab.trials.run_state.RunState`); a damaged one is a
+        :class:`RunRecordError`."""
+        return cast(RunState, read_run_file(self.run_file))
 
-    def save(self, state: dict[str, Any]) -> None:
+    def save(self, state: RunState | dict[str, Any]) -> None:
         atomic_write_text(self.run_file, json.dumps(state, indent=2, default=str) + "\n")
 
-    def update(self, **changes: Any) -> dict[str, Any]:
-        state = {**self.state(), **changes}
+    def update(self, **changes: Any) -> RunState:
+        state = cast(RunState, {**self.state(), **changes})
         self.save(state)
         return state
 
@@ -217,7 +220,7 @@ class RunRecord:
         except FileNotFoundError:
             return b""
 
-    def record_end(self, **changes: Any) -> dict[str, Any]:
+    def record_end(self, **changes: Any) -> RunState:
         """Update run.json with how the run ended (``status``, ...) and the progress it reached,
         under :data:`PROGRESS_KEY` with the size of ``metrics.jsonl`` it was read from: a listing
         takes it while the metrics keep that size (they only grow) instead of reading them."""
@@ -228,7 +231,7 @@ class RunRecord:
 
     def tracking_summary(self) -> dict[str, Any] | None:
         try:
-            return json.loads(self.tracking_summary_file.read_text())
+            return cast(dict[str, Any], json.loads(self.tracking_summary_file.read_text()))
         except FileNotFoundError:
             return None
 
@@ -258,7 +261,7 @@ class RunRecord:
         """A complete checkpoint: it becomes the latest only now."""
         if self.keeps_progress:
             state = self.state()
-            state.update(latest_checkpoint=uuid, latest_checkpoint_step=step)
+            state["latest_checkpoint"], state["latest_checkpoint_step"] = uuid, step
             state.setdefault("checkpoints", []).append({"uuid": uuid, "step": step})
             self.save(state)
 
@@ -302,11 +305,11 @@ class LocalRunRecord(RunRecord):
         once (a Slurm run's overrides it); nothing to do for local runs."""
         return contextlib.nullcontext()
 
-    def scheduled(self, state: dict[str, Any]) -> str | None:
+    def scheduled(self, state: RunState) -> str | None:
         """Why a scheduler will still start or is running this run's trial (a queued job, a local
         run in line for GPUs), in words; None when none will. A local run's trainer lock says the
         rest (run_guard)."""
-        wait = state.get(WAIT_KEY) if state.get("status") == "waiting" else None
+        wait = state.get(WAIT_KEY) if state.get("status") == RunStatus.WAITING else None
         if not isinstance(wait, dict):
             return None
         import socket

@@ -21,15 +21,17 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from flufl.lock import NotLockedError
 
 from det_lab.errors import UserError
 from det_lab.data.lock import HostLock, LockTimeout, VolumeLock, pid_alive
 from det_lab.settings import env_value
+from det_lab.trials.run_state import RunStatus
 
 LOCK_NAME = "trainer.lock"
 PARENT_ENV = "DET_LAB_RUN_PID"  # det-lab run's pid, set in the trial's environment
@@ -78,17 +80,17 @@ def trainer(run_dir: Path) -> Trainer | None:
     return Trainer(host, pid, None, here)
 
 
-def training_status(state: dict, run_dir: Path) -> str:
+def training_status(state: Mapping[str, Any], run_dir: Path) -> str:
     """A local run's status: run.json's, except that "running" (and no status yet, as runs made
     before det_lab recorded "running" show) holds only while a live trainer holds the lock;
     "died" when the trainer and its ``det-lab run`` both ended without recording how."""
-    status = str(state.get("status") or "created")
-    if status not in ("running", "created"):
+    status = str(state.get("status") or RunStatus.CREATED)
+    if status not in (RunStatus.RUNNING, RunStatus.CREATED):
         return status
     holder = trainer(run_dir)  # one small file read, only for runs that say they train
     if holder is not None and holder.stale is None:
-        return "running"
-    return "died" if status == "running" else "created"
+        return RunStatus.RUNNING.value
+    return RunStatus.DIED.value if status == RunStatus.RUNNING else RunStatus.CREATED.value
 
 
 def break_stale(run_dir: Path, run_name: str) -> str | None:

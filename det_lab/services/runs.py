@@ -1,0 +1,112 @@
+"""A run as ``det-lab runs`` and ``det-lab usage`` show it, whatever ran it: its live status (run.json's,
+corrected by Slurm and by the trainer lock), why it waits, where it ran.
+
+Above the schedulers and the accounting wing: a Slurm run's status is asked of Slurm, a pending
+job's reason is explained by Slurm accounting's limits (:func:`det_lab.accounting.limits.pending_words`)
+and a local run's place in line by :mod:`det_lab.gpus`. Finding runs is the trials layer's
+(:func:`det_lab.trials.listing.all_runs`, :func:`~det_lab.trials.listing.find_run`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from det_lab.trials.record import LocalRunRecord
+from det_lab.trials.run_state import ENDED, RunState, RunStatus
+
+#: what :func:`live_status` says of a run that ended (run.json's or Slurm's word for it)
+FINAL: frozenset[str] = ENDED | {"completed", "cancelled", "gone", "failed", "timeout"}
+
+#: "not asked yet": live_status and waiting ask Slurm themselves
+_ASK: Any = object()
+
+
+def where(run: LocalRunRecord, st: RunState) -> str:
+    """Where the run trains or trained: this machine's name, or its Slurm job and node."""
+    slurm = st.get("slurm") or {}
+    if not slurm:
+        return st.get("host", "this machine") if run.kind == "local" else run.kind
+    attempts = slurm.get("attempts") or []
+    node = attempts[-1]["node"] if attempts else "-"
+    return f"job {slurm.get('job_id', '-')} on {node}" + (f" ({len(attempts)} starts)" if len(attempts) > 1 else "")
+
+
+def slurm_job(run: LocalRunRecord, st: RunState) -> dict[str, str] | None | bool:
+    """``scontrol show job`` of a Slurm run still going by run.json (None: Slurm forgot it);
+    False when there is nothing to ask (not a Slurm run, ended, no job, or Slurm not answering)."""
+    job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
+    if (st.get("status") or RunStatus.CREATED) in ENDED or not job_id:  # most runs of a long listing: asked nothing
+        return False
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+
+    if not isinstance(run, SlurmRunRecord):
+        return False
+    try:
+        return submit.job_state(job_id)
+    except submit.SlurmError:
+        return False
+
+
+def live_status(run: LocalRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str:
+    """run.json's status, corrected by Slurm for a job that ended without the driver saying so,
+    and by the trainer lock for a local run whose trainer died (``st`` and ``job``: the run's state
+    and :func:`slurm_job`, when the caller has them)."""
+    st = run.state() if st is None else st
+    status = str(st.get("status") or RunStatus.CREATED)
+    job = slurm_job(run, st) if job is _ASK else job
+    if isinstance(job, bool):
+        if run.kind == "local" and status in (RunStatus.RUNNING, RunStatus.CREATED):  # "running" only while its trainer lives
+            from det_lab.trials.run_guard import training_status
+
+            return training_status(st, run.dir)
+        return status
+    from det_lab.slurm import submit
+
+    if job is None or job.get("JobState") in submit.FINAL_STATES:
+        return (job or {}).get("JobState", "gone").lower()
+    return job["JobState"].lower()
+
+
+def waiting(run: LocalRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str | None:
+    """Why a run waits, in words: a Slurm run's pending job (e.g. a per-user GPU limit), a local run in
+    this machine's line for GPUs; None when it does not wait."""
+    st = run.state() if st is None else st
+    if run.kind == "local" and st.get("status") == RunStatus.WAITING:
+        from det_lab.gpus import waiting_words
+
+        return waiting_words(st.get("name", run.dir.name)) or "not in line any more: its det-lab run is gone"
+    job = slurm_job(run, st) if job is _ASK else job
+    if not isinstance(job, dict) or job.get("JobState") != "PENDING":
+        return None
+    from det_lab.accounting.limits import pending_words
+
+    return pending_words(job)
+
+
+def describe(run: LocalRunRecord) -> dict[str, Any]:
+    """Everything ``det-lab runs show`` tells of a run, as one JSON-able dict: its record (config,
+    hyperparameters, progress, checkpoints and what retention did with them), where it ran, why it
+    waits, its GPU efficiency, the watchdog's notice and what each tracker received. A damaged
+    run.json is its :class:`~det_lab.trials.record.RunRecordError`."""
+    from det_lab.trials.gpu_sampler import summary_lines
+    from det_lab.trials.listing import run_owner
+    from det_lab.trials.retention import explain
+    from det_lab.watchdog import notice_line
+
+    st = run.state()
+    step, validation = run.progress()
+    job = slurm_job(run, st)
+    efficiency = st.get("gpu_efficiency")
+    return {
+        "name": st.get("name", run.dir.name), "kind": run.kind, "status": live_status(run, st, job),
+        "directory": str(run.dir), "user": run_owner(run, st), "waiting": waiting(run, st, job),
+        "where": where(run, st), "template": st.get("template"), "config": st.get("config"),
+        "hparams": st.get("hparams"), "step": step, "max_length": st.get("max_length"),
+        "max_length_unit": st.get("max_length_unit", ""), "validation": validation,
+        "checkpoints": st.get("checkpoints") or [], "latest_checkpoint": st.get("latest_checkpoint"),
+        "latest_checkpoint_step": st.get("latest_checkpoint_step"), "retention": explain(run),
+        "slurm": st.get("slurm") or None,
+        "gpu_efficiency": summary_lines(efficiency) if isinstance(efficiency, dict) else [],
+        "watchdog": notice_line(run.dir), "tracking": (run.tracking_summary() or {}).get("backends", []),
+    }
