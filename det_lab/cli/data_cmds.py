@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from contextlib import nullcontext
 from dataclasses import asdict
 from typing import TYPE_CHECKING
@@ -88,8 +87,8 @@ def pull(
                           f"they were verified and have been restored: {', '.join(ds.repaired[:5])}"
                           f"{' ...' if len(ds.repaired) > 5 else ''}", highlight=False, soft_wrap=True)
     if as_json:
-        typer.echo(json.dumps({"path": str(ds.path), "fetched": ds.fetched, "repaired": list(ds.repaired),
-                               "identity": asdict(ds.identity)}, indent=2))
+        print_json({"path": str(ds.path), "fetched": ds.fetched, "repaired": list(ds.repaired),
+                    "identity": asdict(ds.identity)})
         return
     how = "fetched" if ds.fetched else "already on the volume"
     console.print(f"{ds.path}  ({how}; {ds.identity.commit[:10]} {ds.identity.md5}, "
@@ -261,14 +260,14 @@ def gc(
     except DataError as exc:
         fail(str(exc))
     if as_json:
-        typer.echo(json.dumps({
+        print_json({
             "days": made.days, "deleted": report is not None, "freed_bytes": made.freed_bytes,
             "projects": [{"project": p.project, "evict": [str(e.path) for e in p.evict], "remove_objects": len(p.remove),
                           "kept_objects": p.kept_objects, "freed_bytes": p.freed_bytes, "skipped": p.skipped,
                           "repositories": p.repositories} for p in made.projects],
             "evicted": [str(p) for p in report.evicted] if report else [],
             "removed_objects": report.removed if report else 0,
-            "kept_back": report.kept_back if report else []}, indent=2))
+            "kept_back": report.kept_back if report else []})
         return
     verb = "freed" if report else "would free"
     for p in made.projects:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, state
+from det_lab.cli.common import console, print_json, state
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -35,7 +34,7 @@ def doctor(
     else:
         checks = run_checks(settings)
     if as_json_:
-        typer.echo(json.dumps(as_json(checks), indent=2))
+        print_json(as_json(checks))
     else:
         console.print(_table("det-lab doctor", checks))
         console.print(_table("Sharing GPUs without a scheduler: what covers each risk", risk_lines(checks), fix=False))

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
-import json
 
 import typer
 
-from det_lab.cli.common import console, state
+from det_lab.cli.common import console, print_json, state
 
 
 def _since(epoch: float) -> str:
@@ -24,7 +23,7 @@ def gpus(
 
     status = gpus_status(state(ctx).settings)
     if as_json:
-        typer.echo(json.dumps(status))
+        print_json(status)
         return
     from rich.table import Table
 

@@ -86,7 +86,6 @@ def usage(
 ) -> None:
     """Bytes on the volume by project, user, kind (checkpoints, snapshots, cache, outputs) or run,
     hard links counted once (as du), and what data gc and runs prune would free."""
-    import json
 
     from det_lab.trials.space import volume_space
     from det_lab.volume import human_bytes
@@ -99,11 +98,11 @@ def usage(
     report = volume_space(settings, days=days)
     rows = report.by(by)  # type: ignore[arg-type]
     if as_json:
-        typer.echo(json.dumps({
+        print_json({
             "by": by, "total_bytes": report.total, "rows": [{"name": n, "bytes": b} for n, b in rows],
             "projects": {p.project: {"bytes": p.total, "quota_bytes": p.quota, "kinds": p.kinds,
                                      "reclaimable": p.reclaimable} for p in report.projects.values()},
-            "notes": report.notes}, indent=2))
+            "notes": report.notes})
         return
     from rich.table import Table
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
 
 import typer
 
-from det_lab.cli.common import console, state
+from det_lab.cli.common import console, print_json, state
 
 app = typer.Typer(help="The idle-GPU watchdog: warn the holder of a GPU held and idle, then stop it "
                        "(see docs/admin/watchdog.md). Without a command: run the service.",
@@ -63,7 +62,7 @@ def status(
 
     result = read_status(state(ctx).settings)
     if as_json:
-        typer.echo(json.dumps(result, default=str))
+        print_json(result)
         return
     for e in result["holders"]:
         console.print(f"{e['time']}  {e['event']:<8} {e['message']}", highlight=False, soft_wrap=True)
