@@ -108,7 +108,10 @@ def test_import_dry_run_says_what_it_writes_and_replaces_and_writes_nothing(lab)
     assert plan["registers"] == {"project": "3dgs", "repo": str(repo), "path": "data/garden", "rev": "main"}
     assert _volume_digest(lab.root) == before and not repo.exists() and data.load_registry(settings) == {}
 
-    assert cli(lab, "data", "import", str(src), "garden", "--project", "3dgs").returncode == 0
+    proc = cli(lab, "data", "import", str(src), "garden", "--project", "3dgs", "--json")
+    assert proc.returncode == 0, proc.stderr
+    done = json.loads(proc.stdout)
+    assert done["registered"] == plan["registers"] and done["identity"]["nfiles"] == plan["files"]
     assert data.load_registry(settings)["garden"].repo == plan["registers"]["repo"]
     first = git("rev-parse", "main", cwd=repo).strip()
     n_commits = git("rev-list", "--count", "main", cwd=repo).strip()

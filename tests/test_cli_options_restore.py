@@ -45,8 +45,10 @@ def test_restore_dry_run_names_what_it_replaces_and_changes_nothing(cl, pg):  # 
     assert contents(pg, cl.db) == moved_on and pg.psql("SELECT count(*) FROM extra", cl.db) == "1"
     assert f"{cl.db}_restoring" not in pg.databases()
 
-    proc = cli(cl, "cluster", "restore", str(dump), "--force")
+    proc = cli(cl, "cluster", "restore", str(dump), "--force", "--json")
     assert proc.returncode == 0, proc.stderr
+    done = json.loads(proc.stdout)
+    assert done == {**plan, "dry_run": False} and plan["dry_run"] is True  # what it did is what it planned
     assert contents(pg, cl.db) == backed_up  # the row and the table the plan named are gone
     assert pg.psql("SELECT count(*) FROM pg_tables WHERE tablename = 'extra'", cl.db) == "0"
 
@@ -77,7 +79,9 @@ def test_backup_dry_run_names_the_backups_pruning_would_delete_and_the_backup_th
     assert all(f"would prune {o.dump.name} and {o.globals_file.name}" in text for o in old)
     assert {p.name: p.read_bytes() for p in cl.backups.iterdir()} == before  # nothing dumped, nothing deleted
 
-    assert cli(cl, *args).returncode == 0
+    proc = cli(cl, *args, "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["prunes"] == plan["prunes"]
     left = {p.name for p in cl.backups.iterdir()}
     assert left.isdisjoint(Path(p).name for p in plan["prunes"])
     assert set(before) - left == {Path(p).name for p in plan["prunes"]} and len(left) == 4  # 11-16 and the new one

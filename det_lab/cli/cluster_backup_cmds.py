@@ -24,7 +24,8 @@ def backup(
                                          help="Keep the newest N backups whatever their day (default: backup.keep_last)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Name the files it would write and the old backups "
                                  "pruning would delete; dump and delete nothing."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="The files written and pruned (with --dry-run: that would "
+                                 "be) as JSON."),
 ) -> None:
     """Dump the master's database (pg_dump -Fc + pg_dumpall --globals-only), then prune old backups."""
     from det_lab.cluster import backup as b
@@ -43,11 +44,11 @@ def backup(
             removed = b.prune(directory, conn.db, *keep)
     except b.BackupError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"database": conn.describe(), "dry_run": dry_run, "writes": [str(made.dump), str(made.globals_file)],
+                    "prunes": [str(p) for r in removed for p in (r.dump, r.globals_file)]})
+        return
     if dry_run:
-        if as_json:
-            print_json({"database": conn.describe(), "writes": [str(made.dump), str(made.globals_file)],
-                        "prunes": [str(p) for r in removed for p in (r.dump, r.globals_file)]})
-            return
         console.print(f"would write {made.dump} and {made.globals_file.name} (of {conn.describe()})",
                       highlight=False, soft_wrap=True)
         for r in removed:
@@ -67,7 +68,7 @@ def restore(
     force: bool = typer.Option(False, "--force", help="Replace a database that is not empty (stop the master first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would create or replace (with --force: "
                                  "every table now in the database); change nothing."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="What was restored (with --dry-run: would be) as JSON."),
 ) -> None:
     """Restore a backup into the master's database (empty or missing; --force replaces one)."""
     from det_lab.cluster import backup as b
@@ -80,10 +81,10 @@ def restore(
         plan = restore_plan(conn, file, force=force) if dry_run else restore_backup(conn, file, force=force)
     except b.BackupError as exc:
         fail(str(exc))
+    if as_json:
+        print_json({**plan.as_dict(), "dry_run": dry_run})
+        return
     if dry_run:
-        if as_json:
-            print_json(plan.as_dict())
-            return
         for line in plan.lines():
             console.print(line, highlight=False, soft_wrap=True)
         console.print("dry run: nothing changed", highlight=False)

@@ -205,7 +205,7 @@ def import_(
     message: str | None = typer.Option(None, help="Commit message of the new revision."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what it would create, push and register "
                                  "(and which registration it replaces); write nothing."),
-    as_json: bool = typer.Option(False, "--json", help="With --dry-run: the plan as JSON."),
+    as_json: bool = typer.Option(False, "--json", help="What was imported (with --dry-run: the plan) as JSON."),
 ) -> None:
     """Version a directory with DVC on the volume and register it as NAME, in one command."""
     from pathlib import Path
@@ -228,10 +228,13 @@ def import_(
         console.print("dry run: nothing written", highlight=False)
         return
     try:
-        with console.status(f"versioning {directory} with DVC"):
+        with console.status(f"versioning {directory} with DVC") if not as_json else nullcontext():
             spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)
     except (data.DataError, ValueError) as exc:
         fail(str(exc))
+    if as_json:
+        print_json({"name": name, "registered": asdict(spec), "identity": asdict(identity)})
+        return
     console.print(f"imported {directory} as {name}: {spec.repo} {spec.path}@{spec.rev} (commit {identity.commit[:10]}, "
                   f"{identity.md5}, {identity.nfiles} files, {human_bytes(identity.size)})", highlight=False)
     console.print(f"trials use it with data.det_lab.dataset: {name}; 'det-lab data pull {name}' fetches it", highlight=False)
