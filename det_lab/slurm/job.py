@@ -31,6 +31,7 @@ from det_lab.settings import load_settings
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.trials import local
 from det_lab.trials.record import open_record
+from det_lab.trials.run_state import RunStatus
 
 #: environment variables a job carries over from the submitting shell (written into the script)
 PASSED_ENV_PREFIXES = ("DET_LAB_", "MLFLOW_", "DET_MASTER", "AIM_")
@@ -129,17 +130,17 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
     settings = load_settings()
     first_node = os.environ.get("SLURM_NODEID", "0") == "0"
     state = run.state()
-    if state.get("status") == "finished":
+    if state.get("status") == RunStatus.FINISHED:
         print(f"det-lab: run {state['name']} already finished; nothing to do", flush=True)
         return 0
     if first_node:
         attempt = run.start_attempt()
         if state.get("latest_checkpoint"):
-            state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status="running")
+            state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status=RunStatus.RUNNING.value)
             print(f"det-lab: resuming {state['name']} from checkpoint {state['latest_checkpoint']} "
                   f"on {attempt['node']}", flush=True)
         else:
-            state = run.update(status="running")
+            state = run.update(status=RunStatus.RUNNING.value)
     slurm = state.get("slurm") or {}
     container = slurm.get("apptainer") or []
     command = trial_command(slurm.get("container_command") if container else state["command"],

@@ -17,6 +17,7 @@ from det_lab.slurm.job import JobSpec, passed_env, render_script
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.slurm.search import SEARCHES_DIR, Search, array_spec, check_searcher
 from det_lab.slurm.settings import SlurmSettings, check_time
+from det_lab.trials.run_state import RunStatus
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def submit_run(run: SlurmRunRecord, settings: LabSettings, slurm: SlurmSettings,
     try:
         image = container(settings, slurm, state["exp_conf"], Path(state["cwd"]), state["command"])
         run.job_script.write_text(script)
-        run.update(status="queued", user=pwd.getpwuid(os.geteuid()).pw_name, slurm={
+        run.update(status=RunStatus.QUEUED.value, user=pwd.getpwuid(os.geteuid()).pw_name, slurm={
             "partition": where.partition, "account": where.account, "nodes": where.nodes,
             "gpus_per_node": where.gpus_per_node, "time": where.time, "script": str(run.job_script), **image})
         job_id = submit.sbatch(str(run.job_script))

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from det_lab.errors import UserError
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.volume import atomic_write_text
+from det_lab.trials.run_state import RunStatus
 
 if TYPE_CHECKING:
     import optuna
@@ -285,7 +286,7 @@ def run_task(search: Search, task: str) -> int:
     final = [m["metrics"][metric] for m in run.metrics() if m["group"] == "validation" and metric in m["metrics"]]
     status = run.state().get("status")
     if pruned.is_set():
-        run.update(status="pruned")
+        run.update(status=RunStatus.PRUNED.value)
         study.tell(trial, state=optuna.trial.TrialState.PRUNED)
     elif status == "finished" and final:
         study.tell(trial, float(final[-1]))

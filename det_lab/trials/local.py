@@ -36,6 +36,7 @@ from det_lab.trials import run_guard
 from det_lab.trials.record import RUN_FILE, LocalRunRecord, open_record
 from det_lab.trials.validate import preflight
 from det_lab.volume import VolumeLayout
+from det_lab.trials.run_state import RunStatus
 
 DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
@@ -249,7 +250,8 @@ def record_exit(run: LocalRunRecord, code: int) -> str:
     if code == run_guard.BUSY_EXIT_CODE:  # another trainer holds the run: its record is that trainer's
         return "busy"
     state = run.state()
-    status = "failed" if code != 0 else "finished" if state.get("trial_status") == "FINISHED" else "stopped"
+    status = (RunStatus.FAILED if code != 0 else RunStatus.FINISHED if state.get("trial_status") == "FINISHED"
+              else RunStatus.STOPPED).value
     run.record_end(status=status, exit_code=code)
     return status
 

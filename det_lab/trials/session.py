@@ -49,6 +49,7 @@ from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone,
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.lastuse import note_use
 from det_lab.volume import VolumeLayout, share_with_group
+from det_lab.trials.run_state import RunStatus
 
 log = logging.getLogger("det_lab.trials")
 
@@ -110,7 +111,7 @@ class LabSession:
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 raise SystemExit(BUSY_EXIT_CODE) from None
             # what runs list and the exporter show while it trains (a resumed run said "stopped")
-            self.record.update(status="running")
+            self.record.update(status=RunStatus.RUNNING.value)
             self._retain()  # a retention pass a kill interrupted is finished before training
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
@@ -240,7 +241,8 @@ class LabSession:
             self.record.record_outcome(status, None if summary is None else
                                        {**asdict(summary), "journal": str(summary.journal)})
             if parent_gone():  # det-lab run died first: nobody else will record how the run ended
-                self.record.record_end(status={"FINISHED": "finished", "KILLED": "stopped"}.get(status, "failed"))
+                self.record.record_end(status={"FINISHED": RunStatus.FINISHED, "KILLED": RunStatus.STOPPED}.get(
+                    status, RunStatus.FAILED).value)
         if self._trainer_lock is not None:
             self._trainer_lock.__exit__(None, None, None)
             self._trainer_lock = None
