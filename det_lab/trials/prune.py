@@ -317,11 +317,12 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
     facts_cache, trees = FactsCache(settings.data_root), TreeCache(settings.data_root)
     plan, owners, chosen = Plan(), {}, []
     listed: list[tuple[str, Any]] = []  # (run directory, facts) of every run that can be read
-    roots: dict[tuple[str, str], Path] = {}
-    parents: set[Path] = set()
+    roots: dict[tuple[str, str], tuple[Path, str]] = {}
+    kinds: set[tuple[str, type[LocalRunRecord]]] = set()
+    ckpts: dict[int, tuple[Path, str, list[str]]] = {}  # id(run) -> its checkpoints' root and uuids
     for name in sorted(settings.projects):
         for d, cls in run_dirs(layout, name, probe=False):
-            parents.add(d.parent)
+            kinds.add((name, cls))
             directory = str(d)
             try:
                 facts = facts_cache.facts(os.path.join(directory, RUN_FILE))
@@ -345,9 +346,12 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
             p.state = dict(facts.scheduling or {})
             key = (p.project, repr(facts.storage))
             if key not in roots:
-                roots[key] = layout.experiment_checkpoints(p.project, {"checkpoint_storage": facts.storage}
-                                                           if facts.storage else None)
-            p.checkpoints = [c for c in (retention.checkpoint_path(roots[key], u) for u in facts.checkpoints) if c]
+                root = layout.experiment_checkpoints(p.project, {"checkpoint_storage": facts.storage}
+                                                     if facts.storage else None)
+                roots[key] = (root, str(root) + os.sep)
+            # as retention.checkpoint_path: a uuid that is no plain directory name names nothing
+            ckpts[id(p)] = (*roots[key], [u for u in facts.checkpoints
+                                          if retention._SAFE_NAME.fullmatch(u) and u not in (".", "..")])
             chosen.append((p, facts))
     facts_cache.save()
     tops = {}
@@ -358,19 +362,20 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
                 held = run_guard.LOCK_NAME in top.names  # no lock file: nobody trains it
                 p.refused = p.refused or (live(p.record, p.state) if held else p.record.scheduled(p.state))
             if p.refused and facts is not None:
-                p.checkpoints = [c for c in p.checkpoints if os.path.lexists(c)]
+                root, base, uuids = ckpts[id(p)]
+                p.checkpoints = [root / u for u in uuids if os.path.lexists(base + u)]
             (plan.refused if p.refused else plan.runs).append(p)
     plan.runs.sort(key=lambda r: (r.project, r.changed))
-    sizes: dict[str, int] = {}
-    for p in list(plan.runs):  # then whether this user may remove each tree
-        ckpts = [(c, trees.tree(str(c), checkpoint=True)) for c in p.checkpoints]
-        ckpts = [(c, t) for c, t in ckpts if t.exists]
-        p.checkpoints = [c for c, _ in ckpts]
-        sizes.update((c.name, t.bytes) for c, t in ckpts)
-        p.refused = tops[id(p)].refused or next((t.refused for _, t in ckpts if t.refused), None)
+    found: dict[int, list[tuple[str, Any]]] = {}  # id(run) -> (uuid, tree) of its checkpoints there
+    for p in plan.runs:  # then whether this user may remove each tree
+        root, base, uuids = ckpts[id(p)]
+        there = found[id(p)] = [(u, t) for u, t in ((u, trees.tree(base + u, checkpoint=True)) for u in uuids)
+                                if t.exists]
+        p.refused = tops[id(p)].refused or next((t.refused for _, t in there if t.refused), None)
         if p.refused:
-            plan.runs.remove(p)
-            plan.refused.append(p)
+            p.checkpoints = [root / u for u, _ in there]
+    plan.refused.extend(p for p in plan.runs if p.refused)
+    plan.runs = [p for p in plan.runs if not p.refused]
     going = {str(p.dir) for p in plan.runs}
     others: dict[str, str] = {}  # uuid -> the first run that stays and lists it
     for directory, facts in listed:
@@ -379,13 +384,16 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
             for u in (*facts.checkpoints, str(facts.latest)):
                 others.setdefault(u, who)
     for p in plan.runs:
-        p.kept_checkpoints = {c.name: others[c.name] for c in p.checkpoints if c.name in others}
-        p.checkpoints = [c for c in p.checkpoints if c.name not in p.kept_checkpoints]
-        p.bytes = tops[id(p)].bytes + sum(sizes[c.name] for c in p.checkpoints)
+        root, _, _ = ckpts[id(p)]
+        there = found[id(p)]
+        p.kept_checkpoints = {u: others[u] for u, _ in there if u in others}
+        p.checkpoints = [root / u for u, _ in there if u not in p.kept_checkpoints]
+        p.bytes = tops[id(p)].bytes + sum(t.bytes for u, t in there if u not in p.kept_checkpoints)
         p.trackers = (_describe_trackers(LocalRunRecord(p.dir)) if JOURNAL_DIR in tops[id(p)].names
                       else ["no tracker run recorded"])
     trees.save()
-    dirs = parents | {LocalRunRecord.runs_root(layout, p) for p in settings.projects}
+    dirs = {cls.runs_root(layout, name) for name, cls in kinds} | {LocalRunRecord.runs_root(layout, p)
+                                                                  for p in settings.projects}
     plan.leftovers = sorted(d for root in dirs if root.is_dir() for d in root.glob(".*.deleting"))
     return plan
 
