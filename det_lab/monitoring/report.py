@@ -30,10 +30,10 @@ class ReportError(UserError, RuntimeError):
 
 
 def parse_duration(text: str) -> int:
-    """``7d``, ``12h``, ``30m`` in seconds; ValueError for anything else."""
+    """``7d``, ``12h``, ``30m`` in seconds; :class:`ReportError` for anything else."""
     m = _DURATION.match(text.strip())
     if not m or int(m.group(1)) == 0:
-        raise ValueError(f"{text!r} is not a period such as 7d, 12h or 30m")
+        raise ReportError(f"{text!r} is not a period such as 7d, 12h or 30m")
     return int(m.group(1)) * _SECONDS[m.group(2)]
 
 
