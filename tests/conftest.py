@@ -37,6 +37,35 @@ _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm",
                  "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm"}
 
 
+# The suite by cost (``python -m pytest -m unit`` runs the fast part alone; docs/verified.md has its time):
+# unit: no daemon, no training, no Slurm — settings, renderers, parsers, one-line errors of the CLI;
+# slurm: the files that start a Slurm cluster (slurmctld, slurmd, slurmdbd + MariaDB);
+# integration: everything else (real MLflow/Aim servers, DVC, trainings, PostgreSQL, Prometheus).
+# A file not named here is integration.
+UNIT_FILES = {
+    "test_bad_inputs.py", "test_cluster_checkpoints.py", "test_cluster_config.py", "test_cluster_schema_keys.py",
+    "test_cluster_secrets.py", "test_colmap_foreign.py", "test_data_git.py", "test_demo_data.py",
+    "test_docs_reference.py", "test_gpu_queue.py", "test_install_cli_help.py", "test_monitor_token.py",
+    "test_monitoring_nvml.py", "test_monitoring_report_axes.py", "test_notebook_checkpoint.py", "test_settings.py",
+    "test_slurm_units.py", "test_tracking_journal.py", "test_trials_concerns.py", "test_trials_harness.py",
+    "test_volume_init.py", "test_watchdog_rule.py",
+}
+
+
+def pytest_configure(config) -> None:
+    for name, what in (("unit", "fast: no daemon, no training (-m unit runs these alone)"),
+                       ("integration", "real servers, DVC, trainings, databases"),
+                       ("slurm", "starts a one-node Slurm cluster (these files share one xdist worker)")):
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        name = Path(str(item.fspath)).name
+        kind = "slurm" if name in _SERIAL_FILES else "unit" if name in UNIT_FILES else "integration"
+        item.add_marker(kind)
+
+
 def pytest_xdist_make_scheduler(config, log):
     """``--dist loadfile``, with the Slurm files as one unit: each test file stays on one
     pytest-xdist worker, so its module-scoped labs, servers and trained runs are built once.
