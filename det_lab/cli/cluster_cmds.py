@@ -88,7 +88,8 @@ def _deploying(action: Callable[[], T]) -> T:
 @app.command()
 def config(
     ctx: typer.Context,
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write master.yaml and agent-<id>.yaml here."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write master.yaml and agent-<id>.yaml into this "
+                                    "directory (default: print them)."),
     agent: list[str] = typer.Option([], "--agent", help="Also render agent.yaml for this agent id."),
 ) -> None:
     """Render and validate master.yaml and agent.yaml (no secrets in them)."""
