@@ -44,19 +44,13 @@ def register(
 
     settings = state(ctx).settings
     if dry_run:
-        try:
-            identity, replaced = data.register_plan(name, data.DatasetSpec(project, repo, path, rev), settings,
-                                                    replace=replace)
-        except (data.DataError, ValueError) as exc:
-            fail(str(exc))
+        identity, replaced = data.register_plan(name, data.DatasetSpec(project, repo, path, rev), settings,
+                                                replace=replace)
         was = f", replacing {replaced.repo} {replaced.path}@{replaced.rev}" if replaced else ""
         console.print(f"would register {name}: {repo} {path}@{rev} (now {identity.commit[:10]}, {identity.nfiles} "
                       f"files, {human_bytes(identity.size)}){was}; dry run: nothing written", highlight=False)
         return
-    try:
-        identity = data.register(name, data.DatasetSpec(project, repo, path, rev), settings, replace=replace)
-    except (data.DataError, ValueError) as exc:
-        fail(str(exc))
+    identity = data.register(name, data.DatasetSpec(project, repo, path, rev), settings, replace=replace)
     console.print(f"registered {name}: {repo} {path}@{rev} (now {identity.commit[:10]}, "
                   f"{identity.nfiles} files, {human_bytes(identity.size)})", highlight=False)
 
@@ -73,13 +67,11 @@ def pull(
 ) -> None:
     """Fetch a dataset revision into the shared cache once and print where to read it."""
     from det_lab import data
-    from det_lab.volume import QuotaExceeded, human_bytes
+    from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
     try:
         ds = data.pull(_spec_or_name(name, project, repo, path, rev), settings)
-    except (data.DataError, QuotaExceeded, ValueError, TimeoutError) as exc:
-        fail(str(exc))
     except KeyboardInterrupt:
         fail("interrupted: nothing partial was published; pull again to finish", code=130)
     if ds.repaired:
@@ -106,10 +98,7 @@ def status(
     from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
-    try:
-        st = data.status(name, settings)
-    except data.DataError as exc:
-        fail(str(exc))
+    st = data.status(name, settings)
     if as_json:
         print_json({"name": name, **st.as_dict()})
         return
@@ -132,10 +121,7 @@ def list_(
     from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
-    try:
-        listings = data.list_volume(settings)
-    except data.DataError as exc:
-        fail(str(exc))
+    listings = data.list_volume(settings)
     if as_json:
         print_json({"data_root": str(settings.data_root), "projects": [lst.as_dict() for lst in listings]})
         return
@@ -160,15 +146,11 @@ def verify(
     as_json: bool = typer.Option(False, "--json", help="The counts and every damaged, repaired and planned path as JSON."),
 ) -> None:
     """Hash (md5, as DVC) every snapshot file and shared-cache object; --repair restores damage."""
-    from det_lab import data
     from det_lab.data.verify import verify as verify_volume
 
     settings = state(ctx).settings
-    try:
-        with console.status("hashing snapshots and cache objects") if not as_json else nullcontext():
-            report = verify_volume(settings, name, repair=repair and not dry_run)
-    except (data.DataError, ValueError, TimeoutError) as exc:
-        fail(str(exc))
+    with console.status("hashing snapshots and cache objects") if not as_json else nullcontext():
+        report = verify_volume(settings, name, repair=repair and not dry_run)
     if as_json:
         print_json(report.as_dict())
         raise typer.Exit(0 if report.ok or dry_run else 1)
@@ -210,16 +192,12 @@ def import_(
     """Version a directory with DVC on the volume and register it as NAME, in one command."""
     from pathlib import Path
 
-    from det_lab import data
     from det_lab.data.importer import import_directory, import_plan
     from det_lab.volume import human_bytes
 
     settings = state(ctx).settings
     if dry_run:
-        try:
-            plan = import_plan(settings, Path(directory), name, project, replace=replace)
-        except (data.DataError, ValueError) as exc:
-            fail(str(exc))
+        plan = import_plan(settings, Path(directory), name, project, replace=replace)
         if as_json:
             print_json(plan.as_dict())
             return
@@ -227,11 +205,8 @@ def import_(
             console.print(line, highlight=False, soft_wrap=True)
         console.print("dry run: nothing written", highlight=False)
         return
-    try:
-        with console.status(f"versioning {directory} with DVC") if not as_json else nullcontext():
-            spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)
-    except (data.DataError, ValueError) as exc:
-        fail(str(exc))
+    with console.status(f"versioning {directory} with DVC") if not as_json else nullcontext():
+        spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)
     if as_json:
         print_json({"name": name, "registered": asdict(spec), "identity": asdict(identity)})
         return
@@ -255,13 +230,8 @@ def gc(
     if yes and dry_run:
         fail("give --dry-run or --yes, not both")
     settings = state(ctx).settings
-    from det_lab.data import DataError
-
-    try:
-        with console.status("collecting what the datasets, runs and pins reference") if not as_json else nullcontext():
-            made, report = data_gc(settings, days, yes=yes)
-    except DataError as exc:
-        fail(str(exc))
+    with console.status("collecting what the datasets, runs and pins reference") if not as_json else nullcontext():
+        made, report = data_gc(settings, days, yes=yes)
     if as_json:
         print_json({
             "days": made.days, "deleted": report is not None, "freed_bytes": made.freed_bytes,
@@ -295,14 +265,10 @@ def pin(
     remove: bool = typer.Option(False, "--remove", help="Drop the pin instead."),
 ) -> None:
     """Keep a dataset revision in the shared cache whatever 'det-lab data gc' finds."""
-    from det_lab.data import DataError
     from det_lab.data.pins import pin_dataset
 
     settings = state(ctx).settings
-    try:
-        identity = pin_dataset(settings, name, remove=remove)
-    except DataError as exc:
-        fail(str(exc))
+    identity = pin_dataset(settings, name, remove=remove)
     if identity is None:
         console.print(f"unpinned {name}", highlight=False)
     else:
