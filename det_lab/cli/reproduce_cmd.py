@@ -32,7 +32,7 @@ def reproduce(
     """Re-run a run with its code commit (and saved local changes), dataset revision, config and
     seed, then compare its metrics with the original's step by step."""
     from det_lab.reproduce import compare, envdiff, rerun
-    from det_lab.reproduce.find import ReproduceError, locate
+    from det_lab.reproduce.find import locate
     from det_lab.trials import local
     from det_lab.trials.record import LocalRunRecord
 
@@ -44,12 +44,9 @@ def reproduce(
         from det_lab.slurm.record import SlurmRunRecord
 
         record_cls = SlurmRunRecord
-    try:
-        origin = locate(settings, ref)
-        rows, note = envdiff.against_here(origin.lineage)
-        plan = rerun.prepare(settings, origin, name=run_name, continue_=continue_, record_cls=record_cls)
-    except (ReproduceError, ValueError) as exc:
-        fail(str(exc))
+    origin = locate(settings, ref)
+    rows, note = envdiff.against_here(origin.lineage)
+    plan = rerun.prepare(settings, origin, name=run_name, continue_=continue_, record_cls=record_cls)
     ds = origin.lineage.get("dataset") or {}
     latest = plan.record.state()["latest_checkpoint"]
     summary = {"original": origin.name, "found_by": origin.found_by, "run": plan.record.dir.name,

@@ -51,13 +51,10 @@ def run(
     from det_lab.trials import local
 
     settings = state(ctx).settings
-    try:
-        claim = LocalClaim(settings, gpus, queue)
-        run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
-                                           overrides=overrides, name=None if resume else run_name, warn=_warn,
-                                           gpu_check=claim.check)
-    except (local.RunError, ValueError, GpusError) as exc:
-        fail(str(exc))
+    claim = LocalClaim(settings, gpus, queue)
+    run_, cwd, command = local.prepare(settings, template, config, (run_name or True) if resume else False, seed,
+                                       overrides=overrides, name=None if resume else run_name, warn=_warn,
+                                       gpu_check=claim.check)
     with claim:  # the GPUs are given back however this ends (and by the kernel if it is killed)
         st = run_.state()
         how = f"resuming {st['name']} from checkpoint {st['latest_checkpoint']}" if resume else f"run {st['name']}"
