@@ -46,7 +46,7 @@ class Tree:
     """One tree as ``rm -r`` would meet it (see :func:`det_lab.trials.prune.cannot_remove`)."""
 
     exists: bool
-    bytes: int = 0  # the sizes of the files below (links not followed), as ``du --apparent-size -b``
+    bytes: int = 0  # the apparent sizes of the files below (a link its own; directories nothing)
     refused: str | None = None  # why this user could not ``rm -r`` it
     names: frozenset[str] = field(default_factory=frozenset)  # the top directory's entries
 
