@@ -40,13 +40,10 @@ def say(what: object) -> None:
 
 def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
     """The lab settings and the Slurm section; a bad file is one error line."""
-    from det_lab.slurm.settings import SlurmConfigError, load_slurm_settings
+    from det_lab.slurm.settings import load_slurm_settings
 
     lab = state(ctx).settings
-    try:
-        return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
-    except SlurmConfigError as exc:
-        fail(str(exc))  # a member's key reads accounting.members[alice].gpu_limit
+    return lab, load_slurm_settings(lab, ctx.meta.get(_META_KEY))
 
 
 def _write(out: Path, files: dict[str, str]) -> None:
@@ -92,14 +89,11 @@ def config(
 
 def _write_slurmdbd(slurm: SlurmSettings, out: Path) -> tuple[Path, str | None]:
     """slurmdbd.conf in ``out`` (0600, the Slurm user's), its password generated once: the password's file."""
-    from det_lab.cluster.secrets import SecretError
     from det_lab.slurm.accounting_conf import db_password, render_slurmdbd_conf, write_slurmdbd_conf
 
     try:
         pw_file, password, _ = db_password(slurm.accounting)
         note = write_slurmdbd_conf(out / "slurmdbd.conf", render_slurmdbd_conf(slurm, password), slurm.slurm_user)
-    except SecretError as exc:
-        fail(str(exc))
     except OSError as exc:
         fail(f"cannot write {out / 'slurmdbd.conf'}: {exc.strerror or exc}")
     return pw_file, note
@@ -176,17 +170,14 @@ def accounts(
 ) -> None:
     """Make Slurm's accounts, members and GPU limits match the lab config (sacctmgr): prints the plan
     (add / change / remove); removes only what it made, never root or accounts made by hand."""
-    from det_lab.accounting.sync import AccountingError, apply, plan, read_state, with_cluster_name
+    from det_lab.accounting.sync import apply, plan, read_state, with_cluster_name
 
     _, slurm = load(ctx)
     if slurm.accounting is None:
         fail(f"{slurm.source or 'the Slurm config'} has no accounting: section (members, GPU limits): "
              "nothing to make")
-    try:
-        slurm = with_cluster_name(slurm)
-        steps = plan(slurm, read_state(slurm.cluster_name))
-    except AccountingError as exc:
-        fail(str(exc))
+    slurm = with_cluster_name(slurm)
+    steps = plan(slurm, read_state(slurm.cluster_name))
     for warning in steps.warnings:
         err_console.print(f"[yellow]warning:[/] {warning}", highlight=False, soft_wrap=True)
     if not steps.steps:
@@ -198,8 +189,5 @@ def accounts(
             console.print(f"would {step}", highlight=False, soft_wrap=True)
         console.print(f"{len(steps.steps)} change(s) planned; run without --dry-run to make them", highlight=False)
         return
-    try:
-        n = apply(steps, echo=lambda step: console.print(f"{step}", highlight=False, soft_wrap=True))
-    except AccountingError as exc:
-        fail(str(exc))
+    n = apply(steps, echo=lambda step: console.print(f"{step}", highlight=False, soft_wrap=True))
     console.print(f"{n} change(s) made on cluster {slurm.cluster_name}", highlight=False)
