@@ -46,39 +46,10 @@ def list_runs(
             settings.project(project)
         except ValueError as exc:
             fail(str(exc))
-    from det_lab.services.runs import live_status, slurm_job, waiting, where
-    from det_lab.trials.listing import Listed, ListingCache, Unlisted, all_runs, user_name
-    from det_lab.watchdog import notice_line
+    from det_lab.services.runs import listing
 
-    cache = ListingCache(settings.data_root)
-    owners: dict[int, str] = {}
-    rows: list = []
-    runs = all_runs(settings, project, ordered=False, probe=False)  # ordered below, by what was stat'ed
-    for run, listed in zip(runs, cache.read_all(runs)):  # re-read only where the files changed
-        if isinstance(listed, Unlisted):  # one damaged or unreadable run.json: said, and listed as such
-            err_console.print(f"warning: {listed}", style="yellow", highlight=False, markup=False)
-            try:
-                kept = run.run_file.stat()
-                uid, changed = kept.st_uid, kept.st_mtime_ns
-            except OSError:  # a run directory this user may not enter
-                uid, changed = -1, 0
-            listed = Listed({"name": run.dir.name, "status": listed.status}, 0, {}, uid, changed)
-        if listed is None:  # deleted since it was found
-            continue
-        st = listed.state
-        owner = st.get("user") or user_name(listed.uid, owners)
-        if user and owner != user:
-            continue
-        job = slurm_job(run, st)  # asked once, for the status and the reason it waits
-        status = live_status(run, st, job)
-        rows.append((listed.changed, {"name": st["name"], "kind": run.kind, "template": st.get("template"),
-                     "status": status, "step": listed.step, "of": st.get("max_length"),
-                     "watchdog": notice_line(run.dir) if status in ("running", "stopped", "cancelled") else None,
-                     "where": where(run, st), "dir": str(run.dir),
-                     "metric": next(iter(listed.validation.items()), None), "user": owner,
-                     "waiting": waiting(run, st, job)}))
-    cache.save(complete=project is None)
-    rows = [row for _, row in sorted(rows, key=lambda pair: pair[0])]  # oldest run.json first
+    rows = listing(settings, project, user, lambda msg: err_console.print(f"warning: {msg}", style="yellow",
+                                                                          highlight=False, markup=False))
     if as_json:
         typer.echo("".join(json.dumps(row) + "\n" for row in rows), nl=False)
         return
@@ -181,60 +152,11 @@ def tail(
 def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's name.")) -> None:
     """Stop a run: its trial checkpoints and stops, as on a preemption. A Slurm job is cancelled; a
     local run's trial is signalled on the machine it trains on."""
-    from det_lab.slurm import submit
-    from det_lab.slurm.record import SlurmRunRecord
-
-    from det_lab.trials.run_state import ENDED
+    from det_lab.services.runs import cancel_run
 
     run = find_run(state(ctx).settings, name)
-    st = read_state(run)
-    if st.get("status") in ENDED:
-        fail(f"run {name} already ended ({st['status']}); nothing to cancel")
-    if not isinstance(run, SlurmRunRecord) or not run.job_id():
-        _cancel_local(run, name, st)
-        return
-    try:
-        submit.cancel(run.job_id())
-    except submit.SlurmError as exc:
-        fail(str(exc))
-    console.print(f"cancelled Slurm job {run.job_id()} of run {name}; its trial checkpoints and stops "
-                  f"(resume it with: sbatch {run.job_script})", highlight=False)
-
-
-def _cancel_local(run, name: str, st: dict) -> None:
-    """SIGTERM to the trial that holds the run's trainer lock: det_lab's preemption (checkpoint,
-    stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
-    import os
-    import signal
-
-    from det_lab.gpus import GpusError, cancel_waiting
-    from det_lab.trials import run_guard
-
-    if st.get("status") == "waiting":  # in line for GPUs: its det-lab run leaves the line, recording it cancelled
-        try:
-            pid = cancel_waiting(name)
-        except GpusError as exc:
-            fail(str(exc))
-        if pid is None:
-            fail(f"run {name} is not in this machine's line for GPUs (waiting on another machine, or its det-lab run is gone)")
-        console.print(f"took run {name} out of the line for GPUs (its det-lab run, pid {pid}, records it cancelled)",
-                      highlight=False)
-        return
-    holder = run_guard.trainer(run.dir)
-    if holder is None or holder.stale:
-        fail(f"run {name} has no live trainer ({holder.stale if holder else 'nobody holds it'}); nothing to cancel")
-    if not holder.here:
-        fail(f"run {name} trains as pid {holder.pid} on host {holder.host}: run 'det-lab runs cancel {name}' there")
-    try:
-        os.kill(holder.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        fail(f"run {name}: its trainer (pid {holder.pid}) is gone; nothing to cancel")
-    except PermissionError:
-        fail(f"run {name} trains as pid {holder.pid} of another user: stop it as that user")
-    console.print(f"asked run {name}'s trial (pid {holder.pid}) to checkpoint and stop "
-                  f"(resume it with: det-lab run {st.get('template', '<template>')} --local --resume "
-                  f"--run {name})", highlight=False)
-
+    read_state(run)  # a damaged run.json: its one error line, exit 1
+    console.print(cancel_run(run), highlight=False)
 
 
 @app.command("diff")

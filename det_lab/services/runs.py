@@ -9,13 +9,23 @@ and a local run's place in line by :mod:`det_lab.gpus`. Finding runs is the tria
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
+from det_lab.errors import UserError
+from det_lab.settings import LabSettings
 from det_lab.trials.record import LocalRunRecord
 from det_lab.trials.run_state import ENDED, RunState, RunStatus
 
 #: what :func:`live_status` says of a run that ended (run.json's or Slurm's word for it)
 FINAL: frozenset[str] = ENDED | {"completed", "cancelled", "gone", "failed", "timeout"}
+
+class NotCancelled(UserError):
+    """A run that ``det-lab runs cancel`` cannot stop from here (ended, gone, another machine's or user's)."""
+
+
+#: statuses whose runs may carry a watchdog notice (it warns a run holding idle GPUs, or stopped one)
+WATCHED = frozenset({RunStatus.RUNNING.value, RunStatus.STOPPED.value, RunStatus.CANCELLED.value})
 
 #: "not asked yet": live_status and waiting ask Slurm themselves
 _ASK: Any = object()
@@ -84,6 +94,47 @@ def waiting(run: LocalRunRecord, st: RunState | None = None, job: dict[str, str]
     return pending_words(job)
 
 
+def listing(settings: LabSettings, project: str | None, user: str | None,
+            warn: Callable[[str], None]) -> list[dict[str, Any]]:
+    """``det-lab runs list``'s rows, oldest run.json first: each run's name, kind, template, live
+    status, progress, the watchdog's notice, where it ran, its last validation metric, its owner and
+    why it waits; only ``project``'s and ``user``'s when given. A damaged or unreadable run.json is
+    ``warn``-ed and listed as such; run.json and metrics are re-read only where they changed
+    (:class:`~det_lab.trials.listing.ListingCache`)."""
+    from det_lab.trials.listing import Listed, ListingCache, Unlisted, all_runs, user_name
+    from det_lab.watchdog import notice_line
+
+    cache = ListingCache(settings.data_root)
+    owners: dict[int, str] = {}
+    rows: list[tuple[int, dict[str, Any]]] = []
+    runs = all_runs(settings, project, ordered=False, probe=False)  # ordered below, by what was stat'ed
+    for run, listed in zip(runs, cache.read_all(runs)):  # re-read only where the files changed
+        if isinstance(listed, Unlisted):  # one damaged or unreadable run.json: said, and listed as such
+            warn(str(listed))
+            try:
+                kept = run.run_file.stat()
+                uid, changed = kept.st_uid, kept.st_mtime_ns
+            except OSError:  # a run directory this user may not enter
+                uid, changed = -1, 0
+            listed = Listed({"name": run.dir.name, "status": listed.status}, 0, {}, uid, changed)
+        if listed is None:  # deleted since it was found
+            continue
+        st = cast(RunState, listed.state)
+        owner = st.get("user") or user_name(listed.uid, owners)
+        if user and owner != user:
+            continue
+        job = slurm_job(run, st)  # asked once, for the status and the reason it waits
+        status = live_status(run, st, job)
+        rows.append((listed.changed, {"name": st["name"], "kind": run.kind, "template": st.get("template"),
+                     "status": status, "step": listed.step, "of": st.get("max_length"),
+                     "watchdog": notice_line(run.dir) if status in WATCHED else None,
+                     "where": where(run, st), "dir": str(run.dir),
+                     "metric": next(iter(listed.validation.items()), None), "user": owner,
+                     "waiting": waiting(run, st, job)}))
+    cache.save(complete=project is None)
+    return [row for _, row in sorted(rows, key=lambda pair: pair[0])]  # oldest run.json first
+
+
 def describe(run: LocalRunRecord) -> dict[str, Any]:
     """Everything ``det-lab runs show`` tells of a run, as one JSON-able dict: its record (config,
     hyperparameters, progress, checkpoints and what retention did with them), where it ran, why it
@@ -110,3 +161,54 @@ def describe(run: LocalRunRecord) -> dict[str, Any]:
         "gpu_efficiency": summary_lines(efficiency) if isinstance(efficiency, dict) else [],
         "watchdog": notice_line(run.dir), "tracking": (run.tracking_summary() or {}).get("backends", []),
     }
+
+
+def cancel_run(run: LocalRunRecord) -> str:
+    """Stop ``run`` as a preemption does (its trial checkpoints and stops): a Slurm run's job is
+    cancelled; a local run's trial gets SIGTERM on its trainer's machine, or leaves this machine's
+    line for GPUs. What was done, in words; :class:`NotCancelled` when nothing can be."""
+    from det_lab.slurm import submit
+    from det_lab.slurm.record import SlurmRunRecord
+
+    st = run.state()
+    name = run.dir.name
+    if st.get("status") in ENDED:
+        raise NotCancelled(f"run {name} already ended ({st.get('status')}); nothing to cancel")
+    job_id = run.job_id() if isinstance(run, SlurmRunRecord) else None
+    if not isinstance(run, SlurmRunRecord) or not job_id:
+        return _cancel_local(run, name, st)
+    submit.cancel(job_id)
+    return (f"cancelled Slurm job {job_id} of run {name}; its trial checkpoints and stops "
+            f"(resume it with: sbatch {run.job_script})")
+
+
+def _cancel_local(run: LocalRunRecord, name: str, st: RunState) -> str:
+    """SIGTERM to the trial that holds the run's trainer lock: det_lab's preemption (checkpoint,
+    stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
+    import os
+    import signal
+
+    from det_lab.gpus import cancel_waiting
+    from det_lab.trials import run_guard
+
+    if st.get("status") == RunStatus.WAITING:  # in line for GPUs: its det-lab run leaves the line, recording it cancelled
+        pid = cancel_waiting(name)
+        if pid is None:
+            raise NotCancelled(f"run {name} is not in this machine's line for GPUs (waiting on another machine, "
+                               "or its det-lab run is gone)")
+        return f"took run {name} out of the line for GPUs (its det-lab run, pid {pid}, records it cancelled)"
+    holder = run_guard.trainer(run.dir)
+    if holder is None or holder.stale:
+        raise NotCancelled(f"run {name} has no live trainer ({holder.stale if holder else 'nobody holds it'}); "
+                           "nothing to cancel")
+    if not holder.here:
+        raise NotCancelled(f"run {name} trains as pid {holder.pid} on host {holder.host}: "
+                           f"run 'det-lab runs cancel {name}' there")
+    try:
+        os.kill(holder.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        raise NotCancelled(f"run {name}: its trainer (pid {holder.pid}) is gone; nothing to cancel") from None
+    except PermissionError:
+        raise NotCancelled(f"run {name} trains as pid {holder.pid} of another user: stop it as that user") from None
+    return (f"asked run {name}'s trial (pid {holder.pid}) to checkpoint and stop "
+            f"(resume it with: det-lab run {st.get('template', '<template>')} --local --resume --run {name})")
