@@ -34,16 +34,13 @@ def backup(
     directory = (to or b.default_backup_dir(lab, cluster)).absolute()
     keep = (keep_daily or cluster.backup.keep_daily, cluster.backup.keep_weekly if keep_weekly is None else keep_weekly,
             keep_last or cluster.backup.keep_last)
-    try:
-        conn = b.connection(cluster)
-        if dry_run:
-            made = b.planned_backup(conn, directory)
-            removed = b.prune_plan(directory, conn.db, *keep, adding=made)
-        else:
-            made = b.backup(conn, directory)
-            removed = b.prune(directory, conn.db, *keep)
-    except b.BackupError as exc:
-        fail(str(exc))
+    conn = b.connection(cluster)
+    if dry_run:
+        made = b.planned_backup(conn, directory)
+        removed = b.prune_plan(directory, conn.db, *keep, adding=made)
+    else:
+        made = b.backup(conn, directory)
+        removed = b.prune(directory, conn.db, *keep)
     if as_json:
         print_json({"database": conn.describe(), "dry_run": dry_run, "writes": [str(made.dump), str(made.globals_file)],
                     "prunes": [str(p) for r in removed for p in (r.dump, r.globals_file)]})
@@ -76,11 +73,8 @@ def restore(
     from det_lab.cluster.restore import restore_plan
 
     _lab, cluster = _load(ctx)
-    try:
-        conn = b.connection(cluster)
-        plan = restore_plan(conn, file, force=force) if dry_run else restore_backup(conn, file, force=force)
-    except b.BackupError as exc:
-        fail(str(exc))
+    conn = b.connection(cluster)
+    plan = restore_plan(conn, file, force=force) if dry_run else restore_backup(conn, file, force=force)
     if as_json:
         print_json({**plan.as_dict(), "dry_run": dry_run})
         return

@@ -71,8 +71,6 @@ def _warn_tracking(lab: LabSettings) -> None:
 def _deploying(action: Callable[[], T]) -> T:
     """Run a deploy step; every failure becomes the failing doctor lines plus one error line."""
     from det_lab.cluster import deploy
-    from det_lab.cluster.secrets import SecretError
-    from det_lab.cluster.settings import ClusterConfigError
 
     try:
         return action()
@@ -81,7 +79,7 @@ def _deploying(action: Callable[[], T]) -> T:
             err_console.print(f"fail  {c.name}: {c.detail}" + (f" (fix: {c.fix})" if c.fix else ""),
                               highlight=False, soft_wrap=True)
         fail(str(exc))
-    except (deploy.DeployError, SecretError, ClusterConfigError, OSError) as exc:
+    except OSError as exc:  # docker's socket, a file it writes
         fail(str(exc))
 
 
@@ -97,7 +95,6 @@ def config(
 
     from det_lab.cluster.config import render_agent, render_master
     from det_lab.cluster.schema import agent_errors, master_errors
-    from det_lab.cluster.settings import ClusterConfigError
 
     if out is not None:
         out_dir(out, "master.yaml")
@@ -106,10 +103,7 @@ def config(
     errors = [f"master.yaml: {e}" for e in master_errors(master)]
     agents: dict[str, dict] = {}
     for agent_id in _agents(cluster, agent):
-        try:
-            agents[agent_id] = render_agent(cluster, agent_id)
-        except ClusterConfigError as exc:
-            fail(str(exc))
+        agents[agent_id] = render_agent(cluster, agent_id)
         errors += [f"agent-{agent_id}.yaml: {e}" for e in agent_errors(agents[agent_id], master)]
     _one_line_errors(errors, "config")
     _warn_tracking(lab)
@@ -136,12 +130,12 @@ def config(
 @app.command()
 def password() -> None:
     """Create the admin and database passwords if missing; the admin password is shown only then."""
-    from det_lab.cluster.secrets import SecretError, ensure_cluster_secrets, private_dir
+    from det_lab.cluster.secrets import ensure_cluster_secrets, private_dir
 
     directory = private_dir()
     try:
         secrets = ensure_cluster_secrets(directory)
-    except (SecretError, OSError) as exc:
+    except OSError as exc:
         fail(str(exc))
     _announce_password(secrets.admin)
 
@@ -219,10 +213,7 @@ def down(
 
     _lab, cluster = _load(ctx)
     if dry_run:
-        try:
-            plan = deploy.down_plan(cluster, delete_db=delete_db)
-        except deploy.DeployError as exc:
-            fail(str(exc))
+        plan = deploy.down_plan(cluster, delete_db=delete_db)
         if as_json:
             print_json(plan.as_dict())
             return
@@ -231,10 +222,7 @@ def down(
         console.print(f"dry run: nothing stopped or removed; 'det-lab cluster down{' --delete-db' if delete_db else ''}' "
                       "does this", highlight=False)
         return
-    try:
-        deploy.down(cluster, delete_db=delete_db)
-    except deploy.DeployError as exc:
-        fail(str(exc))
+    deploy.down(cluster, delete_db=delete_db)
     console.print("cluster containers on this machine stopped", highlight=False)
 
 
@@ -247,11 +235,8 @@ def status(
     from det_lab.cluster import deploy
 
     _lab, cluster = _load(ctx)
-    try:
-        client = deploy.docker_client()
-        rows = deploy.cluster_containers(cluster, client)
-    except deploy.DeployError as exc:
-        fail(str(exc))
+    client = deploy.docker_client()
+    rows = deploy.cluster_containers(cluster, client)
     ok, detail = deploy.master_answers(cluster.master_url)
     if as_json:
         print_json({"containers": [r.as_dict() for r in rows],
@@ -277,15 +262,12 @@ def logs(
 
     _lab, cluster = _load(ctx)
     by_container: dict[str, list[str]] = {}
-    try:
-        client = deploy.docker_client()
-        for name, line in deploy.container_logs(cluster, client, tail):
-            if as_json:
-                by_container.setdefault(name, []).append(line)
-            else:
-                console.print(f"{name} | {line}", highlight=False, markup=False, soft_wrap=True)
-    except deploy.DeployError as exc:
-        fail(str(exc))
+    client = deploy.docker_client()
+    for name, line in deploy.container_logs(cluster, client, tail):
+        if as_json:
+            by_container.setdefault(name, []).append(line)
+        else:
+            console.print(f"{name} | {line}", highlight=False, markup=False, soft_wrap=True)
     if as_json:
         print_json({"containers": by_container})
 
@@ -310,13 +292,10 @@ def link_users(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the det commands; run nothing."),
 ) -> None:
     """Link Determined users to Unix uid/gid (tasks then never run as root on the NFS volume)."""
-    from det_lab.cluster.users import UserMappingError, user_links
+    from det_lab.cluster.users import user_links
 
     lab, cluster = _load(ctx)
-    try:
-        links = user_links(lab, cluster)
-    except UserMappingError as exc:
-        fail(str(exc))
+    links = user_links(lab, cluster)
     master = lab.master_url or cluster.master_url
     if dry_run:
         for link in links:
@@ -350,7 +329,7 @@ def template(
     import yaml
 
     from det_lab.cluster.config import render_notebook_template, render_task_template
-    from det_lab.cluster.config_template import TemplateApplyError, apply_template
+    from det_lab.cluster.config_template import apply_template
     from det_lab.cluster.secrets import private_dir
 
     name = name or ("det-lab-notebook" if notebook else "det-lab")
@@ -375,8 +354,5 @@ def template(
     if path is None:
         path = private_dir() / f"{name}-template.yaml"
         path.write_text(text)
-    try:
-        done = apply_template(det, master, name, path, env, lab)
-    except TemplateApplyError as exc:
-        fail(str(exc))
+    done = apply_template(det, master, name, path, env, lab)
     console.print(f"{done} template {name!r} on {master}", highlight=False)

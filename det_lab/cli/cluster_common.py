@@ -18,13 +18,12 @@ META_KEY = "det_lab.cluster_config"
 
 def load(ctx: typer.Context, master: str | None = None) -> tuple[LabSettings, ClusterSettings]:
     """The lab settings and the cluster config (``master`` overriding its master host and port)."""
-    from det_lab.cluster.settings import ClusterConfigError, ClusterSettings, load_cluster_settings
+    from pydantic import ValidationError
+
+    from det_lab.cluster.settings import ClusterSettings, load_cluster_settings
 
     lab = state(ctx).settings
-    try:
-        cluster = load_cluster_settings(lab, ctx.meta.get(META_KEY))
-    except ClusterConfigError as exc:
-        fail(str(exc))
+    cluster = load_cluster_settings(lab, ctx.meta.get(META_KEY))
     if master:
         host, _, port = master.removeprefix("http://").rstrip("/").partition(":")
         update: dict = {"master_host": host}
@@ -34,6 +33,6 @@ def load(ctx: typer.Context, master: str | None = None) -> tuple[LabSettings, Cl
             update["master_port"] = int(port)
         try:
             cluster = ClusterSettings.model_validate({**cluster.model_dump(), **update, "source": cluster.source})
-        except ValueError as exc:
+        except ValidationError as exc:
             fail(f"MASTER {master!r}: {str(exc).splitlines()[-1].strip()}")
     return lab, cluster
