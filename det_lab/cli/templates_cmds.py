@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from det_lab import templates
-from det_lab.cli.common import console, fail, print_json
+from det_lab.cli.common import console, print_json
 
 app = typer.Typer(help="List the experiment templates and copy one (or the notebooks) to edit.",
                   no_args_is_help=True)
@@ -20,11 +20,8 @@ def list_(
     """List the templates by name, with where their files are."""
     from rich.table import Table
 
-    try:
-        found = templates.available()
-        notebooks = templates.notebooks_dir()
-    except templates.TemplateError as exc:
-        fail(str(exc))
+    found = templates.available()
+    notebooks = templates.notebooks_dir()
     if as_json:
         print_json({"templates": [{"name": t.name, "summary": t.summary, "path": str(t.path)} for t in found],
                     "notebooks": {"name": templates.NOTEBOOKS, "path": str(notebooks)}})
@@ -47,8 +44,5 @@ def copy_(
 ) -> None:
     """Copy a template (or the notebooks) to a new directory, to edit and submit with
     'det experiment create DIR/const.yaml DIR' or run with 'det-lab run DIR --local'."""
-    try:
-        out = templates.copy(name, dest)
-    except templates.TemplateError as exc:
-        fail(str(exc))
+    out = templates.copy(name, dest)
     console.print(f"copied {name} to {out}", highlight=False, soft_wrap=True)

@@ -42,7 +42,6 @@ def status_(
 @app.command("sync")
 def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="One journal (default: all waiting).")) -> None:
     """Deliver events that runs journaled while their tracker was down."""
-    from det_lab.tracking.journal import JournalError
     from det_lab.tracking.sync import pending, sync
     from det_lab.trials.record import volume_journals as find_journals
 
@@ -52,10 +51,7 @@ def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="
         fail(f"{journal} is not a det_lab tracking journal (no run.json)")
     left = 0
     for j in journals:
-        try:
-            summary = sync(j)
-        except JournalError as exc:
-            fail(str(exc))
+        summary = sync(j)
         console.print(str(summary), highlight=False)
         left += sum(b.pending for b in summary.backends)
     if left:
@@ -73,7 +69,7 @@ def serve(
     """Run an MLflow tracking server over the store local runs write to; artifacts on the volume."""
     import signal
 
-    from det_lab.tracking.mlflow_server import MlflowServer, port_in_use
+    from det_lab.tracking.mlflow_server import MlflowServer, MlflowServerError, port_in_use
     from det_lab.tracking.targets import default_local_uri, default_mlflow_store
 
     settings = state(ctx).settings
@@ -101,9 +97,7 @@ def serve(
     try:
         try:
             server.start()
-        except typer.Exit:  # Ctrl-C while it starts (click's Exit is a RuntimeError too)
-            raise
-        except RuntimeError as exc:
+        except MlflowServerError as exc:
             fail(f"mlflow server did not start: {str(exc).splitlines()[0]} (log: {root / 'server.log'})")
         server.proc.wait()
     finally:
