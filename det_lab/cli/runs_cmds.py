@@ -26,9 +26,11 @@ def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
 
 def read_state(run: LocalRunRecord) -> dict:
     """``run``'s run.json; a damaged one is one error line naming it (exit 1)."""
+    from det_lab.trials.record import RunRecordError
+
     try:
         return run.state()
-    except ValueError as exc:
+    except RunRecordError as exc:
         fail(str(exc), 1)
 
 
@@ -42,10 +44,7 @@ def list_runs(
     """Every run on the volume, oldest first: kind, status, progress, where it ran, who owns it."""
     settings = state(ctx).settings
     if project:
-        try:
-            settings.project(project)
-        except ValueError as exc:
-            fail(str(exc))
+        settings.project(project)  # an unknown one: LabConfigError
     from det_lab.services.runs import listing
 
     rows = listing(settings, project, user, lambda msg: err_console.print(f"warning: {msg}", style="yellow",
@@ -171,13 +170,10 @@ def diff_runs(
     from rich.table import Table
 
     from det_lab.reproduce.diff import runs_diff
-    from det_lab.reproduce.find import ReproduceError, locate
+    from det_lab.reproduce.find import locate
 
     settings = state(ctx).settings
-    try:
-        result = runs_diff(locate(settings, a), locate(settings, b))
-    except (ReproduceError, ValueError) as exc:
-        fail(str(exc))
+    result = runs_diff(locate(settings, a), locate(settings, b))
     if as_json:
         typer.echo(json.dumps(result, default=str))
         return
@@ -251,10 +247,7 @@ def delete_runs(
     from det_lab.trials import prune
 
     settings = state(ctx).settings
-    try:
-        plan = prune.plan_delete(settings, names)
-    except prune.PruneError as exc:
-        fail(str(exc))
+    plan = prune.plan_delete(settings, names)
     _plan_out(plan, yes, as_json, settings)
 
 
@@ -273,8 +266,5 @@ def prune_runs(
     from det_lab.trials import prune
 
     settings = state(ctx).settings
-    try:
-        plan = prune.plan_prune(settings, older_than=older_than, statuses=status, user=user, project=project)
-    except prune.PruneError as exc:
-        fail(str(exc))
+    plan = prune.plan_prune(settings, older_than=older_than, statuses=status, user=user, project=project)
     _plan_out(plan, yes, as_json, settings)

@@ -23,7 +23,7 @@ def init(
         fail(f"cannot initialise {settings.data_root}: {exc}")
     try:
         report = init_volume(settings)
-    except (OSError, ValueError) as exc:
+    except (OSError, LabConfigError) as exc:  # a read-only volume, the config's group missing here
         fail(f"cannot initialise {settings.data_root}: {exc}")
     for d in report.created:
         console.print(f"[green]created[/]  {d}", highlight=False)
@@ -37,14 +37,10 @@ def init(
         highlight=False,
     )
     if demo:
-        from det_lab.data import DataError
         from det_lab.data.publish import publish_demos
 
-        try:
-            with console.status("generating and publishing the demo datasets"):
-                published = publish_demos(settings)
-        except DataError as exc:
-            fail(str(exc))
+        with console.status("generating and publishing the demo datasets"):
+            published = publish_demos(settings)
         for name in published:
             console.print(f"[green]published[/] {name} (pull it with: det-lab data pull {name})", highlight=False)
         if not published:
