@@ -17,6 +17,7 @@ from det_lab.accounting.usage import JobRecord, all_jobs, join, parse_since, sum
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import project_of
 from det_lab.trials.listing import all_runs
+from det_lab.trials.record import RunRecordError
 from det_lab.volume import VolumeLayout
 
 
@@ -44,7 +45,7 @@ def _records(settings: LabSettings, warn: Callable[[str], None]) -> Iterator[tup
     for run in all_runs(settings, ordered=False):
         try:
             st = run.state()
-        except ValueError as exc:  # one damaged run.json: its jobs go unjoined, said once
+        except RunRecordError as exc:  # one damaged run.json: its jobs go unjoined, said once
             warn(str(exc))
             continue
         conf = st.get("exp_conf") or {}
