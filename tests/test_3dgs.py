@@ -454,7 +454,7 @@ def test_local_run_preempts_resumes_with_the_same_gaussians_and_learns(demo_lab,
     cfg = _config(tmp_path, "e2e", total, validate_every=40, checkpoint_every=20, densify_from=20,
                   densify_until=100, densify_every=20, opacity_reset_every=1000, sh_degree_every=60)
     before = _runs(lab)
-    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", "3dgs", "--local", "--config", str(cfg)],
+    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", "3dgs", "--local", "--exp-config", str(cfg)],
                             env=lab.env, cwd=lab.config.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     run_dir = None
     try:

@@ -361,7 +361,7 @@ def test_run_refuses_a_bad_config_before_anything_is_created(shared, tmp_path, c
     conf, expected = RUN_REJECTS[case]
     path = write_config(tmp_path, conf)
     before = snapshot_tree(shared.root)
-    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path)), expected)
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--exp-config", str(path)), expected)
     assert snapshot_tree(shared.root) == before
 
 
@@ -369,7 +369,7 @@ def test_run_refuses_a_bad_config_before_anything_is_created(shared, tmp_path, c
 def test_run_on_a_read_only_volume(shared, tmp_path):
     path = write_config(tmp_path, vla_config())
     before = snapshot_tree(shared.root)
-    assert_refused(cli_read_only(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path)),
+    assert_refused(cli_read_only(shared, "run", str(TEMPLATES / "vla"), "--local", "--exp-config", str(path)),
                    "not writable", "read-write")
     assert snapshot_tree(shared.root) == before
 
@@ -391,7 +391,7 @@ def test_run_name_without_resume_is_refused(shared, tmp_path):
     run = _existing_run(shared)
     path = write_config(tmp_path, vla_config())
     before = snapshot_tree(shared.root)
-    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--run", run.name),
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--exp-config", str(path), "--run", run.name),
                    f"run {run.name} exists; use --resume to continue it or choose another name")
     assert snapshot_tree(shared.root) == before
 
@@ -400,7 +400,7 @@ def test_damaged_run_record_is_one_line(shared, tmp_path):
     run = _existing_run(shared, '{"name": "vla-2026", "latest_checkp')
     path = write_config(tmp_path, vla_config())
     before = snapshot_tree(shared.root)
-    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--config", str(path), "--resume",
+    assert_refused(cli(shared, "run", str(TEMPLATES / "vla"), "--local", "--exp-config", str(path), "--resume",
                               "--run", run.name), str(run / "run.json"))
     assert snapshot_tree(shared.root) == before
 

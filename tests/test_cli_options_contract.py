@@ -18,9 +18,8 @@ READS = {"cluster logs", "cluster status", "config", "data list", "data status",
 #: commands that delete or replace what is there: each shows its plan first
 DELETES = {"cluster backup", "cluster down", "cluster restore", "data gc", "data import", "data register",
            "data verify", "runs delete", "runs prune", "slurm accounts"}
-#: pending a change to their module (cli/slurm_cmds.py): ci's --out names a file, config's and
-#: image's help says "here"
-OUT_FILE = {"slurm ci", "slurm config", "slurm image"}
+#: where --out names a file: none
+OUT_FILE: set[str] = set()
 
 
 def _commands() -> dict[str, Any]:
@@ -72,5 +71,5 @@ def test_config_before_a_command_is_the_lab_config_only(name):
     """`--config` is the lab config (`det-lab --config lab.yaml ...`); a command's own file is
     `--exp-config`, `--cluster-config`, `--slurm-config` or `--lab-config`, an old spelling hidden."""
     option = _options(name).get("--config")
-    assert option is None or option.hidden or name in {"run", "slurm ci"}, (
+    assert option is None or option.hidden, (
         f"det-lab {name} --config names another kind of file")

@@ -92,7 +92,7 @@ def mlflow_history(lab, run_name: str, key: str) -> list[int]:
 def test_streams_registers_preempts_and_resumes(isaac_lab):
     lab = isaac_lab
     config = short_config(lab, 30, iteration_sleep=0.25)
-    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TEMPLATE), "--local", "--config", str(config)],
+    proc = subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TEMPLATE), "--local", "--exp-config", str(config)],
                             env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     run_dir = wait_until(lambda: next(iter(runs_root(lab).glob("[!.]*/run.json")), None), proc, 60, "a run").parent
 
@@ -116,7 +116,7 @@ def test_streams_registers_preempts_and_resumes(isaac_lab):
     assert log_parsers.latest_model(child_run)[0] == stop - 1  # nothing trained past the save
     assert "Isaac Lab is not installed here: running the CPU stand-in" in log
 
-    proc = lab.cli("run", str(TEMPLATE), "--local", "--config", str(config), "--resume")
+    proc = lab.cli("run", str(TEMPLATE), "--local", "--exp-config", str(config), "--resume")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "30 of 30 batches" in proc.stdout  # the summary counts iterations done, not the last index
     done = state(run_dir)
@@ -152,7 +152,7 @@ def test_crashing_child_is_a_failed_trial_with_its_last_lines(isaac_lab):
     lab = isaac_lab
     config = short_config(isaac_lab, 30, metrics="tfevents")  # rsl_rl's own TensorBoard writer this time
     lab.env["DET_LAB_STANDIN_CRASH_AT"] = "12"
-    proc = lab.cli("run", str(TEMPLATE), "--local", "--config", str(config))
+    proc = lab.cli("run", str(TEMPLATE), "--local", "--exp-config", str(config))
     assert proc.returncode != 0
     assert "simulated crash at iteration 12" in proc.stdout  # the child's traceback, in the summary
     (run_dir,) = runs_root(lab).iterdir()

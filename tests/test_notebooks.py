@@ -111,7 +111,7 @@ def submitted(lab: NotebookLab) -> tuple[str, Path]:
 @pytest.fixture(scope="module")
 def two_runs(lab: NotebookLab, submitted) -> list[Path]:
     """A second short run with another learning rate, started as a user would."""
-    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", "vla", "--local", "--config",
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", "vla", "--local", "--exp-config",
                            str(lab.short_config("short-lr", lr=0.006))],
                           env=lab.env, cwd=lab.tmp, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -204,7 +204,7 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     # 1-3. three runs at once, det-lab run stopped by SIGTERM (a scheduler stopping the job), kill -9
     # and SIGHUP (the terminal closed): each trial checkpoints and stops with "stopped" recorded
     # (after kill -9, by the orphaned trial itself)
-    procs = {how: start(lab, str(TINY), "--config", str(config), "--run", f"tiny-{how}") for how in ("term", "kill", "hup")}
+    procs = {how: start(lab, str(TINY), "--exp-config", str(config), "--run", f"tiny-{how}") for how in ("term", "kill", "hup")}
     trials = {}
 
     def stop(how: str) -> None:
@@ -322,7 +322,7 @@ def test_a_local_run_shows_running_while_it_trains_and_died_when_its_processes_v
         (runs,) = [m for m in RunsSource(load_settings(lab.config, env={})).collect() if m.name == "det_lab_runs"]
         return {s.labels["status"] for s in runs.samples if s.labels["template"] == "tiny" and s.value}
 
-    proc = start(lab, str(TINY), "--config", str(config), "--run", name)
+    proc = start(lab, str(TINY), "--exp-config", str(config), "--run", name)
     at_first_checkpoint({name: (proc, run_dir)}, lambda _: None)
     assert listed() == "running"
     trial = trial_of(proc)
@@ -355,7 +355,7 @@ def test_runs_cancel_stops_a_local_run_at_a_checkpoint(runs_lab):
         c["data"]["det_lab"].update(max_length={"batches": total})))
     name = "tiny-cancel"
     run_dir = lab.root / "outputs" / "vla" / "local-runs" / name
-    proc = start(lab, str(TINY), "--config", str(config), "--run", name)
+    proc = start(lab, str(TINY), "--exp-config", str(config), "--run", name)
     cancelled = {}
     at_first_checkpoint({name: (proc, run_dir)}, lambda key: cancelled.update(cli=lab.cli("runs", "cancel", name)))
     assert cancelled["cli"].returncode == 0, cancelled["cli"].stdout + cancelled["cli"].stderr
@@ -409,7 +409,7 @@ def test_vla_and_3dgs_runs_stopped_and_resumed_report_what_uninterrupted_runs_do
     for t, (project, folder, edit, _, _) in templates.items():
         for kind in ("straight", "stopped"):
             cfg = write_config(lab, TEMPLATES / folder / "const.yaml", f"{t}-{kind}", edit)
-            procs[t, kind] = start(lab, t, "--config", str(cfg), "--run", f"{t}-{kind}")
+            procs[t, kind] = start(lab, t, "--exp-config", str(cfg), "--run", f"{t}-{kind}")
             dirs[t, kind] = lab.root / "outputs" / project / "local-runs" / f"{t}-{kind}"
     at_first_checkpoint({t: (procs[t, "stopped"], dirs[t, "stopped"]) for t in templates},
                         lambda t: procs[t, "stopped"].send_signal(signal.SIGINT))

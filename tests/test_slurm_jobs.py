@@ -85,7 +85,7 @@ def test_a_config_naming_an_image_runs_its_trial_under_apptainer(jobs_lab, tmp_p
     log = tmp_path / "apptainer.log"
     env = {**jobs_lab.env, "PATH": f"{fake_bin}:{os.environ['PATH']}", "FAKE_APPTAINER_LOG": str(log)}
     try:
-        proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--wait", "--config",
+        proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--slurm", "--wait", "--exp-config",
                                str(config)], env=env, capture_output=True, text=True, timeout=300)
     finally:
         (jobs_lab.root / ".det-lab" / "slurm.yaml").unlink()
@@ -130,7 +130,7 @@ def _finish(proc: subprocess.Popen, out: Path) -> tuple[int, str, str]:
 
 def test_gitlab_ci_template_passes_gitlab_schema_and_its_jobs_run_on_slurm(jobs_lab, tmp_path):
     ci = tmp_path / ".gitlab-ci.yml"
-    jobs_lab.cli("slurm", "ci", "--out", str(ci), "--template", str(TINY), "--lab-config", str(jobs_lab.config),
+    jobs_lab.cli("slurm", "ci", "--out", str(ci.parent), "--template", str(TINY), "--lab-config", str(jobs_lab.config),
                  check=True)
     pipeline = yaml.safe_load(ci.read_text())
     broken = tmp_path / "broken.yml"

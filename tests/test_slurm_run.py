@@ -144,8 +144,8 @@ def test_two_slots_train_one_run_as_two_ranks(slurm_lab, mlflow_server):
 def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
     config = _tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
     # the uninterrupted run trains beside the one that is requeued (the node has two GPUs)
-    straight, straight_dir = _submit_waiting(slurm_lab, "--config", str(config))
-    waiting, run_dir = _submit_waiting(slurm_lab, "--config", str(config))
+    straight, straight_dir = _submit_waiting(slurm_lab, "--exp-config", str(config))
+    waiting, run_dir = _submit_waiting(slurm_lab, "--exp-config", str(config))
     job_id = state(run_dir)["slurm"]["job_id"]
 
     def past_first_checkpoint() -> bool:
@@ -193,7 +193,7 @@ def test_search_over_a_job_array_prunes_and_reports_the_best(slurm_lab):
                      "time_metric": "batches", "max_time": 80, "max_trials": 4, "max_concurrent_trials": 2,
                      "divisor": 2, "max_rungs": 2},
         "reproducibility.experiment_seed": 8})
-    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), "--wait")
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--exp-config", str(config), "--wait")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     name = proc.stdout.split()[1].rstrip(":")
     search_dir = slurm_lab.root / "outputs" / "vla" / "slurm-searches" / name
@@ -285,7 +285,7 @@ def crashing_run(slurm_lab) -> Iterator[subprocess.Popen]:
 
 def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab, crashing_run):
     config = _tiny_config(slurm_lab, "tiny-slower.yaml", **{"hyperparameters.sleep_per_batch": 0.2})
-    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--config", str(config), check=True)
+    proc = slurm_lab.cli("run", str(TINY), "--slurm", "--exp-config", str(config), check=True)
     run_dir = run_named(slurm_lab, proc.stdout)
     wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the trial to report")
     out = slurm_lab.cli("runs", "cancel", run_dir.name, check=True).stdout

@@ -201,7 +201,7 @@ def test_crash_while_writing_a_checkpoint_keeps_the_previous_one_latest(tiny_lab
 
 
 def test_core_api_loop_with_preemption_and_resume(tiny_lab):
-    proc = start_run(held_after(tiny_lab, 20), "--config", str(TINY / "core.yaml"), "--run", "core")
+    proc = start_run(held_after(tiny_lab, 20), "--exp-config", str(TINY / "core.yaml"), "--run", "core")
     run_dir = wait_for_step(runs_dir(tiny_lab), "core", 20, proc)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=240)
@@ -222,7 +222,7 @@ def test_core_api_loop_with_preemption_and_resume(tiny_lab):
 
 
 def test_legacy_module_class_entrypoint(tiny_lab):
-    proc = tiny_lab.cli("run", str(TINY), "--local", "--config", str(TINY / "legacy.yaml"), "--run", "legacy")
+    proc = tiny_lab.cli("run", str(TINY), "--local", "--exp-config", str(TINY / "legacy.yaml"), "--run", "legacy")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     state = run_state(runs_dir(tiny_lab) / "legacy")
     assert [c["step"] for c in state["checkpoints"]] == [20, 40]
@@ -239,8 +239,8 @@ def test_bad_input_is_one_line(tiny_lab, tmp_path):
         (["run", "no-such-template", "--local"], "no template or directory 'no-such-template'"),
         (["run", str(TINY)], "pass --local (here) or --slurm"),
         (["run", str(never_run), "--local", "--resume"], "no earlier local run"),
-        (["run", str(TINY), "--local", "--config", str(bad)], "data.det_lab.max_length is missing"),
-        (["run", str(TINY), "--local", "--config", str(bad2)], "data.det_lab.datset"),
+        (["run", str(TINY), "--local", "--exp-config", str(bad)], "data.det_lab.max_length is missing"),
+        (["run", str(TINY), "--local", "--exp-config", str(bad2)], "data.det_lab.datset"),
     ]
     # the installed console script once (nothing else reaches stderr); the rest in this process
     results = [tiny_lab.cli(*cases[0][0])] + [cli_in_process(tiny_lab, *args) for args, _ in cases[1:]]

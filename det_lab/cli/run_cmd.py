@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, state, viewer_command
+from det_lab.cli.common import console, err_console, fail, renamed_option, state, viewer_command
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
@@ -20,7 +20,8 @@ def run(
     ctx: typer.Context,
     template: str = typer.Argument(..., help="Template name (vla, 3dgs, isaac) or a directory with an experiment config."),
     local_mode: bool = typer.Option(False, "--local", help="Run here through Determined's local training mode."),
-    config: Path | None = typer.Option(None, "--config", help="Experiment config (default: const.yaml in the template)."),
+    config: Path | None = typer.Option(None, "--exp-config", help="Experiment config (default: const.yaml in the template)."),
+    old_config: Path | None = typer.Option(None, "--config", hidden=True, help="Old spelling of --exp-config."),
     resume: bool = typer.Option(False, "--resume", help="Continue the latest local run of this template."),
     run_name: str | None = typer.Option(None, "--run", help="With --resume: the run to continue; without: the new run's name."),
     seed: int | None = typer.Option(None, help="Seed for sampling hyperparameters of a search config."),
@@ -36,6 +37,7 @@ def run(
     queue: bool = typer.Option(False, "--queue", help="With --local: wait in line when the GPUs are taken."),
 ) -> None:
     """Train a template: here with --local, as a Slurm job with --slurm (on Determined: det experiment create)."""
+    config = renamed_option(config, old_config, "--config", "--exp-config")
     if slurm and local_mode:
         fail("pass --local (train here) or --slurm (a Slurm job), not both")
     if slurm:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, state
+from det_lab.cli.common import console, err_console, fail, out_dir, renamed_option, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
@@ -47,6 +47,7 @@ def load(ctx: typer.Context) -> tuple[LabSettings, SlurmSettings]:
 
 
 def _write(out: Path, files: dict[str, str]) -> None:
+    out_dir(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         for name, text in files.items():
@@ -59,7 +60,8 @@ def _write(out: Path, files: dict[str, str]) -> None:
 def config(
     ctx: typer.Context,
     out: Path | None = typer.Option(None, "--out", "-o", help=(
-        "Write slurm.conf, gres.conf and cgroup.conf here (with accounting: job_submit.lua and slurmdbd.conf, 0600).")),
+        "Write slurm.conf, gres.conf and cgroup.conf into this directory (with accounting: job_submit.lua and "
+        "slurmdbd.conf, 0600; default: print them).")),
 ) -> None:
     """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines (with accounting: slurmdbd.conf too)."""
     from det_lab.slurm.accounting_conf import accounting_notes
@@ -127,7 +129,8 @@ def search(
 @app.command()
 def image(
     ctx: typer.Context,
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write det-lab-task.def and isaac-lab.def here."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write det-lab-task.def and isaac-lab.def into this "
+                                    "directory."),
 ) -> None:
     """Render Apptainer definition files: the lab's task image and Isaac Lab's."""
     from det_lab.slurm.images import render_images
@@ -147,20 +150,24 @@ def image(
 
 @app.command()
 def ci(
-    out: Path | None = typer.Option(None, "--out", "-o", help="Write the pipeline to this file."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Write .gitlab-ci.yml into this directory (default: print it)."),
     template: str = typer.Option(".", help="The experiment directory (or template name) the pipeline trains."),
-    config: str = typer.Option("const.yaml", help="Its experiment config."),
+    config: str = typer.Option("const.yaml", "--exp-config", help="Its experiment config."),
+    old_config: str | None = typer.Option(None, "--config", hidden=True, help="Old spelling of --exp-config."),
     lab_config: str = typer.Option("/etc/det-lab/lab.yaml", help="The lab config on the runner."),
 ) -> None:
     """Render a .gitlab-ci.yml for a training repository: tests, smoke run, Slurm (or Determined) run."""
     from det_lab.slurm.ci import render_text
 
+    config = renamed_option(config, old_config, "--config", "--exp-config")
+    if out is not None:
+        out_dir(out, ".gitlab-ci.yml")
     text = render_text(template=template, config=config, lab_config=lab_config)
     if out is None:
         typer.echo(text, nl=False)
         return
-    _write(out.parent, {out.name: text})
-    console.print(f"wrote {out}", highlight=False)
+    _write(out, {".gitlab-ci.yml": text})
+    console.print(f"wrote {out / '.gitlab-ci.yml'}", highlight=False)
 
 
 @app.command()

@@ -34,13 +34,13 @@ def render_gitlab_ci(template: str = ".", config: str = "const.yaml", lab_config
         "lint": {"stage": "test", "script": ["python -m ruff check ."]},
         "tests": {"stage": "test", "script": ["python -m pytest -q"]},
         "smoke": {"stage": "smoke",
-                  "script": ['det-lab run "$TEMPLATE" --local --config "$CONFIG" $SMOKE_SETS']},
+                  "script": ['det-lab run "$TEMPLATE" --local --exp-config "$CONFIG" $SMOKE_SETS']},
         "train": {
             "stage": "train",
             "rules": [{"if": f"{on_default} && $DET_MASTER == null"}],
             "interruptible": False,
             "timeout": "3 days",
-            "script": ['det-lab run "$TEMPLATE" --slurm --wait --config "$CONFIG"'],
+            "script": ['det-lab run "$TEMPLATE" --slurm --wait --exp-config "$CONFIG"'],
         },
         "train-determined": {
             "stage": "train",

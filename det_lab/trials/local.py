@@ -59,7 +59,7 @@ def resolve_template(name: str) -> Path:
 def load_config(template: Path, config: Path | None) -> tuple[Path, dict[str, Any]]:
     path = config or next((template / c for c in DEFAULT_CONFIGS if (template / c).is_file()), None)
     if path is None:
-        raise RunError(f"{template} has no {' / '.join(DEFAULT_CONFIGS)}; pass --config")
+        raise RunError(f"{template} has no {' / '.join(DEFAULT_CONFIGS)}; pass --exp-config")
     return Path(path), read_yaml_mapping(Path(path), RunError)  # one line for bad YAML or bytes
 
 
