@@ -12,7 +12,6 @@ the user who owns it, and to a run when it lies in the run's directory or in a c
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from collections import defaultdict
@@ -20,14 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import orjson
-
 from det_lab.settings import LabSettings
 from det_lab.trials.listing import user_name
 from det_lab.errors import UserError
-from det_lab.jsonload import loads
-from det_lab.trials.storage import FactsCache, run_facts, trains
-from det_lab.volume import VolumeLayout, atomic_write_text
+from det_lab.trials.storage import FactsCache, RunFacts, run_facts, trains
+from det_lab.trials import cachefile
+from det_lab.volume import VolumeLayout
 
 Kind = Literal["cache", "snapshots", "datasets", "checkpoints", "outputs"]
 KINDS: tuple[Kind, ...] = ("cache", "snapshots", "datasets", "checkpoints", "outputs")
@@ -35,6 +32,7 @@ By = Literal["project", "user", "kind", "run"]
 NO_RUN = ""
 #: a complete checkpoint unchanged this long is taken as written for good (its figures kept)
 SETTLED_S = 60.0
+_SPACE_VERSION = 1  # of the cache file's shape: {parent directory: {checkpoint: its figures}}
 
 
 class SpaceError(UserError):
@@ -85,14 +83,17 @@ class SpaceReport:
         return sum(self.cells.values())
 
 
-def _labels(layout: VolumeLayout, project: str, facts_cache: FactsCache, old_before: float) -> tuple[dict[str, str], set[str]]:
+def _labels(layout: VolumeLayout, project: str, facts_cache: FactsCache, old_before: float,
+            listed: list[tuple[Path, RunFacts | None]]) -> tuple[dict[str, str], set[str]]:
     """Directory -> run name (each local-style run's directory, each checkpoint its ``run.json``
     lists, each cluster trial's output directory), and the runs ``runs prune --older-than`` would
-    take: unchanged since ``old_before`` and not training."""
+    take: unchanged since ``old_before`` and not training. Each run's facts are added to ``listed``
+    (data gc's plan reads them from there)."""
     labels: dict[str, str] = {}
     old: set[str] = set()
     roots: dict[str, str] = {}
     for directory, facts in run_facts(layout, project, facts_cache):
+        listed.append((directory, facts))
         name = directory.name
         labels[str(directory)] = name
         if facts is None:
@@ -119,18 +120,13 @@ def _labels(layout: VolumeLayout, project: str, facts_cache: FactsCache, old_bef
 class _Walk:
     """One walk of the volume, each inode once. A complete checkpoint (its ``metadata.json``
     there, nothing in it changed for a minute) is written once and never changed in place, so its
-    figures are kept on local disk (``$XDG_CACHE_HOME/det-lab/space-<volume>.json``) under the
+    figures are kept on local disk (``$XDG_CACHE_HOME/det-lab/space-<volume>.pickle``) under the
     inode and times of each of its directories, and a later walk stats its directories only."""
 
     def __init__(self, data_root: Path) -> None:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
-        volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
-        self.path = base / f"space-{volume}.json"
-        try:
-            known = loads(self.path.read_bytes())
-            self.known: dict[str, Any] = known if isinstance(known, dict) else {}
-        except (OSError, ValueError):
-            self.known = {}
+        self.path = cachefile.cache_path(data_root, "space")
+        known = cachefile.load(self.path, _SPACE_VERSION)
+        self.known: dict[str, Any] = known if isinstance(known, dict) else {}
         self.kept: dict[str, Any] = {}
         self.changed = False
         self.seen: set[tuple[int, int]] = set()
@@ -288,11 +284,7 @@ class _Walk:
         if not self.changed and sum(map(len, self.kept.values())) == sum(
                 len(v) for v in self.known.values() if isinstance(v, dict)):
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, orjson.dumps(self.kept).decode(), mode=0o600)
-        except (OSError, TypeError):
-            pass
+        cachefile.dump(self.path, self.kept, _SPACE_VERSION)
 
 
 def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool = True,
@@ -306,9 +298,11 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
     report = SpaceReport({}, {}, days)
     walk, facts = _Walk(settings.data_root), FactsCache(settings.data_root)
     old_runs: dict[str, set[str]] = {}
+    listed: dict[str, list[tuple[Path, RunFacts | None]]] = {}
     jobs = []
     for project in names:
-        labels, old_runs[project] = _labels(layout, project, facts, time.time() - days * 86400)
+        labels, old_runs[project] = _labels(layout, project, facts, time.time() - days * 86400,
+                                            listed.setdefault(project, []))
         jobs.append((walk, layout, project, labels))
     facts.save()
     kept: dict[str, Any] = {}
@@ -327,7 +321,7 @@ def volume_space(settings: LabSettings, *, days: float = 30.0, reclaimable: bool
             if run in old_runs.get(project, ()):
                 ps = report.projects[project]
                 ps.reclaimable["runs prune"] = ps.reclaimable.get("runs prune", 0) + n
-        _reclaimable(settings, report)
+        _reclaimable(settings, report, listed)
     return report
 
 
@@ -346,12 +340,11 @@ def _walk_project(walk: _Walk, layout: VolumeLayout, project: str, labels: dict[
     return kinds, out, walk.kept, walk.changed
 
 
-def _reclaimable(settings: LabSettings, report: SpaceReport) -> None:
-    from det_lab.errors import UserError
+def _reclaimable(settings: LabSettings, report: SpaceReport, listed: dict[str, list[tuple[Path, RunFacts | None]]]) -> None:
     from det_lab.trials.storage import data_gc
 
     try:
-        plan, _ = data_gc(settings, report.days)
+        plan, _ = data_gc(settings, report.days, listed=listed)  # the runs as this walk read them
         for p in plan.projects:
             if p.project in report.projects:
                 report.projects[p.project].reclaimable["data gc"] = p.freed_bytes

@@ -10,7 +10,6 @@ A run whose ``run.json`` cannot be read keeps its whole project's cache: what it
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -22,10 +21,11 @@ from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import project_of
-from det_lab.trials.listing import user_cache
+from det_lab.trials import cachefile
+from det_lab.trials.cachefile import cache_path
 from det_lab.trials.record import RUN_FILE, WAIT_KEY, run_dirs
 from det_lab.trials.run_guard import training_status
-from det_lab.volume import VolumeLayout, atomic_write_text
+from det_lab.volume import VolumeLayout
 
 __all__ = ["FactsCache", "RunDataUse", "RunFacts", "data_gc", "dataset_keep", "run_facts", "trains"]
 
@@ -49,6 +49,7 @@ class RunFacts(NamedTuple):
 
 
 _N_FACTS = len(RunFacts._fields)  # an entry of fewer (an older det_lab's) is read again
+_FACTS_VERSION = 1  # of the cache file's shape: path -> (ino, size, mtime_ns, facts)
 #: run.json's keys a run record's ``scheduled`` reads (its status, its GPU wait, its Slurm job)
 SCHEDULING_KEYS = ("status", WAIT_KEY)
 
@@ -74,12 +75,15 @@ def _facts(state: dict[str, Any], changed: float) -> RunFacts:
 
 class FactsCache:
     """The facts of the last reading of each run.json, under the file's inode, size and time, on
-    this user's local disk (``$XDG_CACHE_HOME/det-lab/run-facts-<volume>.json``): a run.json
+    this user's local disk (``$XDG_CACHE_HOME/det-lab/run-facts-<volume>.pickle``,
+    :mod:`~det_lab.trials.cachefile`): a run.json
     replaced since (every write is a new inode) is read again; the others cost one ``stat``. A
     cache that cannot be read or written is ignored."""
 
     def __init__(self, data_root: Path) -> None:
-        self.path, self.entries = user_cache(data_root, "run-facts")
+        self.path = cache_path(data_root, "run-facts")
+        known = cachefile.load(self.path, _FACTS_VERSION)
+        self.entries: dict[str, Any] = known if isinstance(known, dict) else {}
         self.seen: dict[str, Any] = {}
         self.read_again = 0
         self.stat: os.stat_result | None = None  # of the run.json the last call looked at
@@ -91,33 +95,27 @@ class FactsCache:
             st = self.stat = os.stat(path)
         except FileNotFoundError:
             return None
-        key = [st.st_ino, st.st_size, st.st_mtime_ns]
         hit = self.entries.get(path)
-        if isinstance(hit, list) and len(hit) == 2 and hit[0] == key and len(hit[1]) == _N_FACTS:
-            try:
-                facts = RunFacts(*hit[1])
-                self.seen[path] = hit
-                return facts
-            except TypeError:
-                pass
+        if (type(hit) is tuple and len(hit) == 4 and hit[0] == st.st_ino and hit[1] == st.st_size
+                and hit[2] == st.st_mtime_ns and type(hit[3]) is tuple and len(hit[3]) == _N_FACTS):
+            self.seen[path] = hit
+            return RunFacts._make(hit[3])
         with open(path, "rb") as f:
             st = self.stat = os.fstat(f.fileno())
             state = loads(f.read())
         if not isinstance(state, dict):
             raise ValueError(f"{path}: not a JSON object")
         facts = _facts(state, st.st_mtime)
-        self.seen[path] = [[st.st_ino, st.st_size, st.st_mtime_ns], list(facts)]
+        self.seen[path] = (st.st_ino, st.st_size, st.st_mtime_ns, tuple(facts))
         self.read_again += 1
         return facts
 
     def save(self) -> None:
         if not self.read_again and len(self.seen) == len(self.entries):
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, json.dumps(self.seen, separators=(",", ":")), mode=0o600)
-        except (OSError, TypeError, ValueError):
-            pass
+        same: dict[Any, Any] = {}  # a lineage, a storage config: one object for every run naming it
+        entries = {path: (*key, tuple(cachefile.shared(v, same) for v in facts)) for path, (*key, facts) in self.seen.items()}
+        cachefile.dump(self.path, entries, _FACTS_VERSION)
 
 
 def run_facts(layout: VolumeLayout, project: str, cache: FactsCache) -> Iterator[tuple[Path, RunFacts | None]]:
@@ -146,13 +144,19 @@ class RunDataUse:
     unreadable: dict[str, list[Path]] = field(default_factory=dict)  # project -> run.json files
 
 
-def dataset_keep(settings: LabSettings) -> RunDataUse:
-    """The dataset revisions runs' lineage records, and the snapshots running trials read."""
+Listed = dict[str, list[tuple[Path, RunFacts | None]]]
+
+
+def dataset_keep(settings: LabSettings, listed: Listed | None = None) -> RunDataUse:
+    """The dataset revisions runs' lineage records, and the snapshots running trials read.
+    ``listed``: the runs of some projects as :func:`run_facts` gave them just now (not read again)."""
     layout = VolumeLayout.from_settings(settings)
     use = RunDataUse()
-    cache = FactsCache(settings.data_root)
+    listed = listed or {}
+    cache = FactsCache(settings.data_root) if set(settings.projects) - set(listed) else None
     for project in sorted(settings.projects):
-        for directory, facts in run_facts(layout, project, cache):
+        runs = listed[project] if project in listed else run_facts(layout, project, cache)  # type: ignore[arg-type]
+        for directory, facts in runs:
             if facts is None:
                 use.unreadable.setdefault(project, []).append(directory / RUN_FILE)
                 continue
@@ -165,15 +169,18 @@ def dataset_keep(settings: LabSettings) -> RunDataUse:
                 use.keep.repositories.setdefault(owner, set()).add(str(ds["repo"]))
             if trains(facts, directory):
                 use.keep.in_use.setdefault(owner, set()).add(str(ds["md5"]).removesuffix(".dir"))
-    cache.save()
+    if cache is not None:
+        cache.save()
     return use
 
 
-def data_gc(settings: LabSettings, days: float, *, yes: bool = False) -> tuple[GcPlan, GcReport | None]:
+def data_gc(settings: LabSettings, days: float, *, yes: bool = False,
+            listed: Listed | None = None) -> tuple[GcPlan, GcReport | None]:
     """``det-lab data gc``: the plan (``yes``: carried out) of evicting snapshots unused for
     ``days`` and removing the cache objects nothing keeps (:mod:`det_lab.data.gc`). A project
-    with a run whose record cannot be read is left alone, with the reason."""
-    use = dataset_keep(settings)
+    with a run whose record cannot be read is left alone, with the reason. ``listed``: as
+    :func:`dataset_keep`'s (``volume usage`` gives the runs its walk read)."""
+    use = dataset_keep(settings, listed)
     made, report = _collect(settings, use, days, yes)
     return made, report
 

@@ -1,6 +1,7 @@
 """What ``rm -r`` would meet in a run's trees, without listing every directory again.
 
-:class:`TreeCache` keeps, on this user's local disk (``$XDG_CACHE_HOME/det-lab/trees-<volume>.json``),
+:class:`TreeCache` keeps, on this user's local disk (``$XDG_CACHE_HOME/det-lab/trees-<volume>.pickle``,
+:mod:`~det_lab.trials.cachefile`),
 each directory's entries under its inode, modification and change times: an entry is added,
 removed or renamed only by changing its directory's mtime, and a chmod, chown or ACL change
 changes its ctime, so a directory whose three figures are unchanged has the same entries and the
@@ -24,10 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import orjson
-
-from det_lab.trials.listing import user_cache
-from det_lab.volume import atomic_write_text
+from det_lab.trials import cachefile
 
 #: a complete checkpoint unchanged this long is taken as written for good (its sizes kept)
 SETTLED_S = 60.0
@@ -39,6 +37,7 @@ _RWX = os.R_OK | os.W_OK | os.X_OK
 _FILES, _DIRS, _LINKS, _KEPT, _ACCESS, _SEEN, _LEN = 3, 4, 5, 6, 7, 8, 9
 # a complete checkpoint of one directory this user may remove: [ino, mtime_ns, ctime_ns, bytes, seen]
 _COMPACT = 5
+_TREES_VERSION = 1  # of the cache file's shape: {identity, dirs: {path: entry}}
 
 
 @dataclass
@@ -59,7 +58,9 @@ class TreeCache:
     """Directory listings, permission answers and checkpoint sizes, kept between plans."""
 
     def __init__(self, data_root: Path, *, fresh: bool = False) -> None:
-        self.path, known = user_cache(data_root, "trees")
+        self.path = cachefile.cache_path(data_root, "trees")
+        known = cachefile.load(self.path, _TREES_VERSION)
+        known = known if isinstance(known, dict) else {}
         self.identity = _identity()
         # what another set of groups could list and was allowed is no answer for this one
         same = not fresh and known.get("identity") == self.identity and isinstance(known.get("dirs"), dict)
@@ -198,11 +199,7 @@ class TreeCache:
             return
         keep = {p: e for p, e in self.known.items() if isinstance(e, list) and len(e) in (_LEN, _COMPACT)
                 and e[-1] > self.now - FORGET_S}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.path, orjson.dumps({"identity": self.identity, "dirs": keep}).decode(), mode=0o600)
-        except (OSError, TypeError):
-            pass
+        cachefile.dump(self.path, {"identity": self.identity, "dirs": keep}, _TREES_VERSION)
 
 
 def _walked_bytes(top: str) -> int:
