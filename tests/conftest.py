@@ -48,7 +48,7 @@ UNIT_FILES = {
     "test_docs_reference.py", "test_gpu_queue.py", "test_install_cli_help.py", "test_monitor_token.py",
     "test_monitoring_nvml.py", "test_monitoring_report_axes.py", "test_notebook_checkpoint.py", "test_settings.py",
     "test_slurm_units.py", "test_tracking_journal.py", "test_trials_concerns.py", "test_trials_harness.py",
-    "test_volume_init.py", "test_watchdog_rule.py",
+    "test_user_errors.py", "test_volume_init.py", "test_watchdog_rule.py",
 }
 
 
