@@ -34,12 +34,12 @@ def reproduce(
     from det_lab.reproduce import compare, envdiff, rerun
     from det_lab.reproduce.find import locate
     from det_lab.trials import local
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.trials.record import LocalRunRecord, VolumeRunRecord
 
     if local_mode and slurm:
         fail("pass --local or --slurm, not both")
     settings = state(ctx).settings
-    record_cls: type[LocalRunRecord] = LocalRunRecord
+    record_cls: type[VolumeRunRecord] = LocalRunRecord
     if slurm:
         from det_lab.slurm.record import SlurmRunRecord
 

@@ -13,7 +13,7 @@ from det_lab.cli.common import console, err_console, fail, renamed_option, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.trials.record import VolumeRunRecord
 
 
 def run(
@@ -117,7 +117,7 @@ def _warn(message: str) -> None:
     err_console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
 
 
-def _summary(run_: LocalRunRecord, code: int, settings: LabSettings) -> None:
+def _summary(run_: VolumeRunRecord, code: int, settings: LabSettings) -> None:
     from rich.table import Table
 
     from det_lab import templates

@@ -12,19 +12,19 @@ from det_lab.cli.common import console, err_console, fail, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.trials.record import VolumeRunRecord
 
 app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
                   no_args_is_help=True)
 
-def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
+def find_run(settings: LabSettings, name: str) -> VolumeRunRecord:
     """The run called ``name`` (:func:`det_lab.trials.listing.find_run`)."""
     from det_lab.trials.listing import find_run as find
 
     return find(settings, name)
 
 
-def read_state(run: LocalRunRecord) -> dict:
+def read_state(run: VolumeRunRecord) -> dict:
     """``run``'s run.json; a damaged one is one error line naming it (exit 1)."""
     from det_lab.trials.record import RunRecordError
 

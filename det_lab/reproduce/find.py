@@ -18,7 +18,7 @@ from typing import Any
 
 from det_lab.errors import UserError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import ClusterRunRecord, LocalRunRecord, iter_records
+from det_lab.trials.record import ClusterRunRecord, VolumeRunRecord, iter_records
 from det_lab.volume import VolumeLayout
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
@@ -35,7 +35,7 @@ class Origin:
 
     ref: str
     lineage: dict[str, Any]
-    record: LocalRunRecord | None = None
+    record: VolumeRunRecord | None = None
     checkpoint: dict[str, Any] | None = None  # {"uuid", "step"} when named by a checkpoint
     found_by: str = "run"
     tracker: dict[str, str] = field(default_factory=dict)
@@ -93,7 +93,7 @@ def locate(settings: LabSettings, ref: str) -> Origin:
                          "(runs: det-lab runs list; checkpoints: their UUID; MLflow: the run id; Aim: the run hash)")
 
 
-def _from_record(ref: str, record: LocalRunRecord) -> Origin:
+def _from_record(ref: str, record: VolumeRunRecord) -> Origin:
     state = record.state()
     lineage = state.get("lineage")
     if not lineage:
@@ -102,14 +102,14 @@ def _from_record(ref: str, record: LocalRunRecord) -> Origin:
     return Origin(ref, lineage, record)
 
 
-def _record_by_key(records: list[LocalRunRecord], run_key: str | None) -> LocalRunRecord | None:
+def _record_by_key(records: list[VolumeRunRecord], run_key: str | None) -> VolumeRunRecord | None:
     """The run whose ``run.json`` has ``run_key``; the one whose directory the key names first
     (``local-<name>``), should a copied directory carry the same key. The named ones' ``run.json``
     is read first: every run's only when none of them has the key (a cluster run's)."""
     if not run_key:
         return None
 
-    def has_key(record: LocalRunRecord) -> bool:
+    def has_key(record: VolumeRunRecord) -> bool:
         try:
             return record.state().get("run_key") == run_key
         except ValueError:
@@ -129,7 +129,7 @@ def find_checkpoint(layout: VolumeLayout, uuid: str) -> Path | None:
     return None
 
 
-def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[LocalRunRecord]) -> Origin:
+def _from_checkpoint(layout: VolumeLayout, uuid: str, records: list[VolumeRunRecord]) -> Origin:
     where = find_checkpoint(layout, uuid)
     if where is None:
         raise ReproduceError(f"checkpoint {uuid} is not under {layout.checkpoints} (no metadata.json found)")
@@ -213,7 +213,7 @@ def _aim_tags(settings: LabSettings, ref: str) -> tuple[dict[str, str], dict[str
     return {str(k): str(v) for k, v in (run.get(META_SECTION) or {}).items()}, {"aim_run_hash": ref}
 
 
-def _from_tags(ref: str, tags: dict[str, str], tracker: dict[str, str], records: list[LocalRunRecord]) -> Origin:
+def _from_tags(ref: str, tags: dict[str, str], tracker: dict[str, str], records: list[VolumeRunRecord]) -> Origin:
     which = next(iter(tracker), "tracker").replace("_", " ")
     record_dir = tags.get("det.local_run_dir")
     record = None

@@ -25,7 +25,7 @@ from det_lab.data.directory import DIRECTORY_REV
 from det_lab.reproduce.code import checkout, remove
 from det_lab.reproduce.find import Origin, ReproduceError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import REPRODUCES_KEY, LocalRunRecord
+from det_lab.trials.record import REPRODUCES_KEY, LocalRunRecord, VolumeRunRecord
 from det_lab.volume import VolumeLayout
 
 REPRODUCE_DIR = "reproduce"
@@ -36,7 +36,7 @@ class Plan:
     """A reproduction ready to start."""
 
     origin: Origin
-    record: LocalRunRecord
+    record: VolumeRunRecord
     cwd: Path
     command: list[str]
     scratch: Path
@@ -82,7 +82,7 @@ def serve_dataset(settings: LabSettings, origin: Origin, conf: dict[str, Any]) -
 
 
 def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, continue_: bool = False,
-            record_cls: type[LocalRunRecord] = LocalRunRecord) -> Plan:
+            record_cls: type[VolumeRunRecord] = LocalRunRecord) -> Plan:
     """Check out the code, serve the data and create the new run (nothing runs yet)."""
     from det_lab.trials import local
     from det_lab.trials.expconf import lab_section

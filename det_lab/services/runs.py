@@ -14,7 +14,7 @@ from typing import Any, cast
 
 from det_lab.errors import UserError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import LocalRunRecord
+from det_lab.trials.record import VolumeRunRecord
 from det_lab.trials.run_state import ENDED, RunState, RunStatus
 
 #: what :func:`live_status` says of a run that ended (run.json's or Slurm's word for it)
@@ -31,7 +31,7 @@ WATCHED = frozenset({RunStatus.RUNNING.value, RunStatus.STOPPED.value, RunStatus
 _ASK: Any = object()
 
 
-def where(run: LocalRunRecord, st: RunState) -> str:
+def where(run: VolumeRunRecord, st: RunState) -> str:
     """Where the run trains or trained: this machine's name, or its Slurm job and node."""
     slurm = st.get("slurm") or {}
     if not slurm:
@@ -41,7 +41,7 @@ def where(run: LocalRunRecord, st: RunState) -> str:
     return f"job {slurm.get('job_id', '-')} on {node}" + (f" ({len(attempts)} starts)" if len(attempts) > 1 else "")
 
 
-def slurm_job(run: LocalRunRecord, st: RunState) -> dict[str, str] | None | bool:
+def slurm_job(run: VolumeRunRecord, st: RunState) -> dict[str, str] | None | bool:
     """``scontrol show job`` of a Slurm run still going by run.json (None: Slurm forgot it);
     False when there is nothing to ask (not a Slurm run, ended, no job, or Slurm not answering)."""
     job_id = (st.get("slurm") or {}).get("job_id")  # from the state in hand: run.json is not read again
@@ -58,7 +58,7 @@ def slurm_job(run: LocalRunRecord, st: RunState) -> dict[str, str] | None | bool
         return False
 
 
-def live_status(run: LocalRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str:
+def live_status(run: VolumeRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str:
     """run.json's status, corrected by Slurm for a job that ended without the driver saying so,
     and by the trainer lock for a local run whose trainer died (``st`` and ``job``: the run's state
     and :func:`slurm_job`, when the caller has them)."""
@@ -78,7 +78,7 @@ def live_status(run: LocalRunRecord, st: RunState | None = None, job: dict[str, 
     return job["JobState"].lower()
 
 
-def waiting(run: LocalRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str | None:
+def waiting(run: VolumeRunRecord, st: RunState | None = None, job: dict[str, str] | None | bool = _ASK) -> str | None:
     """Why a run waits, in words: a Slurm run's pending job (e.g. a per-user GPU limit), a local run in
     this machine's line for GPUs; None when it does not wait."""
     st = run.state() if st is None else st
@@ -135,7 +135,7 @@ def listing(settings: LabSettings, project: str | None, user: str | None,
     return [row for _, row in sorted(rows, key=lambda pair: pair[0])]  # oldest run.json first
 
 
-def describe(run: LocalRunRecord) -> dict[str, Any]:
+def describe(run: VolumeRunRecord) -> dict[str, Any]:
     """Everything ``det-lab runs show`` tells of a run, as one JSON-able dict: its record (config,
     hyperparameters, progress, checkpoints and what retention did with them), where it ran, why it
     waits, its GPU efficiency, the watchdog's notice and what each tracker received. A damaged
@@ -163,7 +163,7 @@ def describe(run: LocalRunRecord) -> dict[str, Any]:
     }
 
 
-def cancel_run(run: LocalRunRecord) -> str:
+def cancel_run(run: VolumeRunRecord) -> str:
     """Stop ``run`` as a preemption does (its trial checkpoints and stops): a Slurm run's job is
     cancelled; a local run's trial gets SIGTERM on its trainer's machine, or leaves this machine's
     line for GPUs. What was done, in words; :class:`NotCancelled` when nothing can be."""
@@ -182,7 +182,7 @@ def cancel_run(run: LocalRunRecord) -> str:
             f"(resume it with: sbatch {run.job_script})")
 
 
-def _cancel_local(run: LocalRunRecord, name: str, st: RunState) -> str:
+def _cancel_local(run: VolumeRunRecord, name: str, st: RunState) -> str:
     """SIGTERM to the trial that holds the run's trainer lock: det_lab's preemption (checkpoint,
     stop); its ``det-lab run`` records the outcome. Only on the trainer's own machine."""
     import os

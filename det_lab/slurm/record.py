@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from det_lab.trials.record import LocalRunRecord, register
+from det_lab.trials.record import VolumeRunRecord, register
 from det_lab.trials.run_state import ENDED
 
 JOB_SCRIPT = "job.sbatch"
@@ -23,7 +23,7 @@ ENDED_STATUSES = ENDED
 
 
 @register
-class SlurmRunRecord(LocalRunRecord):
+class SlurmRunRecord(VolumeRunRecord):
     """A ``det-lab run --slurm`` run (see the module docstring)."""
 
     kind = "slurm"

@@ -4,7 +4,8 @@ Whoever reads or writes a trial's files goes through a :class:`RunRecord`: the t
 (:class:`det_lab.trials.session.LabSession`), ``det-lab run``, the notebooks, ``det-lab tracking
 sync`` and the RL supervisor. Twins, chosen once where the trial starts (:func:`record_for`):
 
-- :class:`LocalRunRecord`: a ``det-lab run --local`` run. Its directory
+- :class:`LocalRunRecord` (a :class:`VolumeRunRecord`, as a Slurm run's is): a ``det-lab run
+  --local`` run. Its directory
   ``<data root>/outputs/<project>/local-runs/<name>/`` holds ``run.json`` (state: config,
   hyperparameters, checkpoints, outcome), ``train.log``, ``metrics.jsonl`` (every metric group
   reported), ``tracking-summary.json`` (what the mirror delivered), ``tracking-journal/``, the
@@ -14,8 +15,8 @@ sync`` and the RL supervisor. Twins, chosen once where the trial starts (:func:`
   (outputs, ``work/``, ``tracking-summary.json``); the journal at
   ``<data root>/outputs/<project>/tracking-journal/<run key>/``.
 
-A new scheduler that runs trials through Determined's harness off-cluster (Slurm) is a
-local-style record: subclass :class:`LocalRunRecord`, set ``kind`` and ``runs_dirname``, extend
+A new scheduler that runs trials through Determined's harness off-cluster (Slurm) keeps its runs
+on the volume too: subclass :class:`VolumeRunRecord`, set ``kind`` and ``runs_dirname``, extend
 :meth:`RunRecord.tracker_tags`/:meth:`RunRecord.lineage_extras`, and :func:`register` it;
 ``run.json``'s ``kind`` then selects it everywhere (:func:`open_record`).
 """
@@ -289,11 +290,11 @@ class RunRecord:
         return {}
 
 
-class LocalRunRecord(RunRecord):
-    """A ``det-lab run --local`` run: ``<data root>/outputs/<project>/local-runs/<name>/``."""
+class VolumeRunRecord(RunRecord):
+    """A run whose directory det_lab keeps on the volume, ``<data root>/outputs/<project>/<kind's
+    runs directory>/<name>/``: the base of a local run's record and a Slurm run's."""
 
-    kind = "local"
-    runs_dirname: ClassVar[str] = "local-runs"
+    runs_dirname: ClassVar[str]
 
     @classmethod
     def runs_root(cls, layout: VolumeLayout, project: str) -> Path:
@@ -302,12 +303,30 @@ class LocalRunRecord(RunRecord):
     @classmethod
     def scheduler_listing(cls) -> contextlib.AbstractContextManager[None]:
         """A block within which :meth:`scheduled` of many runs of this kind asks the scheduler
-        once (a Slurm run's overrides it); nothing to do for local runs."""
+        once (a Slurm run's overrides it); nothing to do by default."""
         return contextlib.nullcontext()
 
     def scheduled(self, state: RunState) -> str | None:
-        """Why a scheduler will still start or is running this run's trial (a queued job, a local
-        run in line for GPUs), in words; None when none will. A local run's trainer lock says the
+        """Why a scheduler will still start or is running this run's trial, in words; None when
+        none will."""
+        return None
+
+    def tracker_tags(self) -> dict[str, str]:
+        tags = {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
+        origin = self.state().get(REPRODUCES_KEY) if self.run_file.is_file() else None
+        if origin:  # a det-lab reproduce run names the run it reproduces
+            tags.update({f"det_lab.reproduces.{k}": str(v) for k, v in origin.items() if v is not None})
+        return tags
+
+
+class LocalRunRecord(VolumeRunRecord):
+    """A ``det-lab run --local`` run: ``<data root>/outputs/<project>/local-runs/<name>/``."""
+
+    kind = "local"
+    runs_dirname: ClassVar[str] = "local-runs"
+
+    def scheduled(self, state: RunState) -> str | None:
+        """A local run in line for GPUs while its det-lab run lives; its trainer lock says the
         rest (run_guard)."""
         wait = state.get(WAIT_KEY) if state.get("status") == RunStatus.WAITING else None
         if not isinstance(wait, dict):
@@ -320,13 +339,6 @@ class LocalRunRecord(RunRecord):
         if wait.get("host") == socket.gethostname().split(".")[0] and (pid <= 0 or not pid_alive(pid)):
             return None  # its det-lab run is gone: it will never start
         return f"it waits for GPUs as pid {wait.get('pid')} on host {wait.get('host')}"
-
-    def tracker_tags(self) -> dict[str, str]:
-        tags = {"det.local_run": self.dir.name, "det.local_run_dir": str(self.dir)}
-        origin = self.state().get(REPRODUCES_KEY) if self.run_file.is_file() else None
-        if origin:  # a det-lab reproduce run names the run it reproduces
-            tags.update({f"det_lab.reproduces.{k}": str(v) for k, v in origin.items() if v is not None})
-        return tags
 
 
 class ClusterRunRecord(RunRecord):
@@ -348,16 +360,16 @@ class ClusterRunRecord(RunRecord):
         return sorted(p.parent for p in (layout.outputs(project) / JOURNAL_DIR).glob(f"*/{RUN_FILE}"))
 
 
-_KINDS: dict[str, type[LocalRunRecord]] = {LocalRunRecord.kind: LocalRunRecord}
+_KINDS: dict[str, type[VolumeRunRecord]] = {LocalRunRecord.kind: LocalRunRecord}
 
 
-def register(cls: type[LocalRunRecord]) -> type[LocalRunRecord]:
+def register(cls: type[VolumeRunRecord]) -> type[VolumeRunRecord]:
     """Make a local-style record kind known to :func:`open_record` and :func:`iter_records`."""
     _KINDS[cls.kind] = cls
     return cls
 
 
-def open_record(directory: Path) -> LocalRunRecord:
+def open_record(directory: Path) -> VolumeRunRecord:
     """The record of an existing local-style run directory, of the kind its ``run.json`` names.
 
     A kind not registered yet is looked for in ``det_lab.<kind>.record`` (``det_lab.slurm.record``),
@@ -370,7 +382,7 @@ def open_record(directory: Path) -> LocalRunRecord:
 SHIPPED_KINDS = ("slurm",)
 
 
-def _load_kind(kind: str) -> type[LocalRunRecord]:
+def _load_kind(kind: str) -> type[VolumeRunRecord]:
     """The record class of ``kind``, importing ``det_lab.<kind>.record`` if it is not registered
     yet (plain local records for a kind det_lab does not know)."""
     if kind not in _KINDS and re.fullmatch(r"[a-z_]+", kind):
@@ -381,14 +393,14 @@ def _load_kind(kind: str) -> type[LocalRunRecord]:
     return _KINDS.get(kind, LocalRunRecord)
 
 
-def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> list[tuple[Path, type[LocalRunRecord]]]:
+def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> list[tuple[Path, type[VolumeRunRecord]]]:
     """Every local-style run directory of ``project`` with its record class, in no order: one
     listing per kind's runs directory, no run file read (where a run is says its kind). Only those
     holding a run.json, unless not ``probe`` (a caller that reads each run.json, skipping those
     that are not there)."""
     for kind in SHIPPED_KINDS:  # a caller that never imported a kind's module still sees its runs
         _load_kind(kind)
-    out: list[tuple[Path, type[LocalRunRecord]]] = []  # each kind its own directory: no run twice
+    out: list[tuple[Path, type[VolumeRunRecord]]] = []  # each kind its own directory: no run twice
     for cls in set(_KINDS.values()):
         root = cls.runs_root(layout, project)
         try:
@@ -402,7 +414,7 @@ def run_dirs(layout: VolumeLayout, project: str, probe: bool = True) -> list[tup
     return out
 
 
-def iter_records(layout: VolumeLayout, project: str) -> Iterator[LocalRunRecord]:
+def iter_records(layout: VolumeLayout, project: str) -> Iterator[VolumeRunRecord]:
     """Every local-style run of ``project`` (each kind's runs directory), oldest first."""
     for d, cls in sorted(run_dirs(layout, project), key=lambda item: item[0].stat().st_mtime):
         yield cls(d)
