@@ -43,7 +43,7 @@ from det_lab.trials.gpu_sampler import merge as merge_efficiency
 from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
-from det_lab.trials.provenance import ENVIRONMENTS_DIR
+from det_lab.trials.lineage import ENVIRONMENTS_DIR
 from det_lab.trials.record import RunRecord, record_for
 from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone, watch_parent
 from det_lab.data.directory import DIRECTORY_REV
@@ -120,7 +120,7 @@ class LabSession:
         # the code's patch and the environment's list once per trial, by the chief (the one that
         # writes run.json, the tracker tags and, merged with the others', the checkpoint metadata)
         self.lineage = collect_lineage(self.identity, self.dataset, self.record, environments,
-                                       provenance=self.is_chief)
+                                       code_and_environment=self.is_chief)
         if self.is_chief:
             self.record.note_lineage(self.lineage)
             self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking)
