@@ -11,6 +11,7 @@ older det_lab (JSON) loads as ``None``, and the caller rebuilds it from the volu
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import io
 import os
@@ -47,10 +48,15 @@ def load(path: Path, version: int) -> Any | None:
     body = memoryview(data)[start:]
     if hashlib.blake2b(body, digest_size=_DIGEST).digest() != data[len(head):start]:
         return None
+    collecting = gc.isenabled()
+    gc.disable()  # tens of thousands of containers made at once, none of them garbage
     try:
         return _PlainUnpickler(io.BytesIO(body)).load()
     except Exception:  # noqa: BLE001 (a digest that matches damaged data: any failure is "no cache")
         return None
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def dump(path: Path, value: Any, version: int) -> None:

@@ -68,17 +68,27 @@ class PlannedRun:
     dir: Path
     changed: float  # run.json's mtime
     bytes: int = 0
-    checkpoints: list[Path] = field(default_factory=list)  # deleted with the run
+    checkpoint_paths: list[str] = field(default_factory=list)  # deleted with the run
     kept_checkpoints: dict[str, str] = field(default_factory=dict)  # uuid -> the run that still lists it
     trackers: list[str] = field(default_factory=list)  # what the tracker side will do, in words
     refused: str | None = None  # why this run is not deleted
     record: Any = field(default=None, repr=False)  # its run record (of its kind)
     state: dict[str, Any] = field(default_factory=dict, repr=False)  # its run.json as read
 
+    @property
+    def checkpoints(self) -> list[Path]:
+        """The checkpoints deleted with the run (made when asked: a plan holds tens of thousands)."""
+        return [Path(c) for c in self.checkpoint_paths]
+
+    @checkpoints.setter
+    def checkpoints(self, paths: Iterable[Path | str]) -> None:
+        self.checkpoint_paths = [os.fspath(c) for c in paths]
+
     def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "project": self.project, "kind": self.kind, "owner": self.owner,
                 "status": self.status, "dir": str(self.dir), "bytes": self.bytes,
-                "checkpoints": [p.name for p in self.checkpoints], "kept_checkpoints": self.kept_checkpoints,
+                "checkpoints": [os.path.basename(c) for c in self.checkpoint_paths],
+                "kept_checkpoints": self.kept_checkpoints,
                 "trackers": self.trackers, "refused": self.refused}
 
 
@@ -197,7 +207,7 @@ def _planned(settings: LabSettings, run: LocalRunRecord, owners: dict[int, str])
     for entry in state.get("checkpoints") or []:
         path = retention.checkpoint_path(root, str(entry.get("uuid")))
         if path is not None and os.path.lexists(path):
-            planned.checkpoints.append(path)
+            planned.checkpoint_paths.append(str(path))
     return planned
 
 
@@ -362,18 +372,18 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
                 held = run_guard.LOCK_NAME in top.names  # no lock file: nobody trains it
                 p.refused = p.refused or (live(p.record, p.state) if held else p.record.scheduled(p.state))
             if p.refused and facts is not None:
-                root, base, uuids = ckpts[id(p)]
-                p.checkpoints = [root / u for u in uuids if os.path.lexists(base + u)]
+                base, uuids = ckpts[id(p)][1:]
+                p.checkpoint_paths = [base + u for u in uuids if os.path.lexists(base + u)]
             (plan.refused if p.refused else plan.runs).append(p)
     plan.runs.sort(key=lambda r: (r.project, r.changed))
     found: dict[int, list[tuple[str, Any]]] = {}  # id(run) -> (uuid, tree) of its checkpoints there
     for p in plan.runs:  # then whether this user may remove each tree
-        root, base, uuids = ckpts[id(p)]
+        base, uuids = ckpts[id(p)][1:]
         there = found[id(p)] = [(u, t) for u, t in ((u, trees.tree(base + u, checkpoint=True)) for u in uuids)
                                 if t.exists]
         p.refused = tops[id(p)].refused or next((t.refused for _, t in there if t.refused), None)
         if p.refused:
-            p.checkpoints = [root / u for u, _ in there]
+            p.checkpoint_paths = [base + u for u, _ in there]
     plan.refused.extend(p for p in plan.runs if p.refused)
     plan.runs = [p for p in plan.runs if not p.refused]
     going = {str(p.dir) for p in plan.runs}
@@ -384,10 +394,10 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
             for u in (*facts.checkpoints, str(facts.latest)):
                 others.setdefault(u, who)
     for p in plan.runs:
-        root, _, _ = ckpts[id(p)]
+        base = ckpts[id(p)][1]
         there = found[id(p)]
         p.kept_checkpoints = {u: others[u] for u, _ in there if u in others}
-        p.checkpoints = [root / u for u, _ in there if u not in p.kept_checkpoints]
+        p.checkpoint_paths = [base + u for u, _ in there if u not in p.kept_checkpoints]
         p.bytes = tops[id(p)].bytes + sum(t.bytes for u, t in there if u not in p.kept_checkpoints)
         p.trackers = (_describe_trackers(LocalRunRecord(p.dir)) if JOURNAL_DIR in tops[id(p)].names
                       else ["no tracker run recorded"])

@@ -21,7 +21,7 @@ import getpass
 import os
 import stat
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +47,7 @@ class Tree:
     exists: bool
     bytes: int = 0  # the apparent sizes of the files below (a link its own; directories nothing)
     refused: str | None = None  # why this user could not ``rm -r`` it
-    names: frozenset[str] = field(default_factory=frozenset)  # the top directory's entries
+    names: frozenset[str] = frozenset()  # the top directory's entries
 
 
 def _identity() -> str:
