@@ -32,6 +32,7 @@ By = Literal["project", "user", "kind", "run"]
 NO_RUN = ""
 #: a complete checkpoint unchanged this long is taken as written for good (its figures kept)
 SETTLED_S = 60.0
+_NOTHING: dict[str, Any] = {}
 _SPACE_VERSION = 1  # of the cache file's shape: {parent directory: {checkpoint: its figures}}
 
 
@@ -92,19 +93,27 @@ def _labels(layout: VolumeLayout, project: str, facts_cache: FactsCache, old_bef
     labels: dict[str, str] = {}
     old: set[str] = set()
     roots: dict[str, str] = {}
+    by_id: dict[int, tuple[Any, str]] = {}  # id(storage) -> (storage, root): the cache shares equal ones
     for directory, facts in run_facts(layout, project, facts_cache):
         listed.append((directory, facts))
-        name = directory.name
-        labels[str(directory)] = name
+        path = str(directory)
+        name = path.rpartition(os.sep)[2]
+        labels[path] = name
         if facts is None:
             continue
         if facts.changed < old_before and not trains(facts, directory):
             old.add(name)
-        where = repr(facts.storage)
-        if where not in roots:
-            roots[where] = str(layout.experiment_checkpoints(project, {"checkpoint_storage": facts.storage}
-                                                             if facts.storage else None)) + os.sep
-        root = roots[where]
+        storage = facts.storage
+        known = by_id.get(id(storage))
+        if known is not None and known[0] is storage:
+            root = known[1]
+        else:
+            where = repr(storage)
+            if where not in roots:
+                roots[where] = str(layout.experiment_checkpoints(project, {"checkpoint_storage": storage}
+                                                                 if storage else None)) + os.sep
+            root = roots[where]
+            by_id[id(storage)] = (storage, root)
         for uuid in facts.checkpoints:
             labels.setdefault(root + uuid, name)
     trials = layout.outputs(project) / "trials"
@@ -144,51 +153,60 @@ class _Walk:
         cells[(run, st.st_uid)] += total
         stack = [(str(top), run)]
         seen, known, kept = self.seen, self.known, self.kept
-        while stack:
+        while stack:  # one pass per directory; a hard-linked inode once (st_nlink > 1 only)
             current, label = stack.pop()
             try:
                 it = os.scandir(current)
             except OSError:
                 continue
             known_here = known.get(current) if units else None
-            known_here = known_here if isinstance(known_here, dict) else {}
+            if type(known_here) is not dict:
+                known_here = _NOTHING
             kept_here: dict[str, Any] = {}
+            files: dict[int, int] = {}  # uid -> blocks of this directory's files (all of ``label``)
             with it:
                 for entry in it:
-                    is_dir = entry.is_dir(follow_symlinks=False)
-                    owner_run = labels.get(entry.path) if is_dir and units else None
-                    if owner_run is not None:
-                        hit = known_here.get(entry.name)
-                        if hit is not None and len(hit) == 5:  # the common checkpoint: one directory, one owner
-                            try:
-                                st = entry.stat(follow_symlinks=False)
-                            except OSError:
-                                continue
-                            if st.st_ino == hit[0] and st.st_mtime_ns == hit[1] and st.st_ctime_ns == hit[2]:
-                                cells[(owner_run, hit[4])] += hit[3]
-                                total += hit[3]
-                                kept_here[entry.name] = hit
-                                continue
-                        total += self._checkpoint(entry, owner_run, cells, current)
+                    if entry.is_dir(follow_symlinks=False):
+                        path = entry.path
+                        owner_run = labels.get(path)
+                        if units and owner_run is not None:
+                            hit = known_here.get(entry.name)
+                            if hit is not None and len(hit) == 5:  # the common checkpoint: one directory, one owner
+                                try:
+                                    st = entry.stat(follow_symlinks=False)
+                                except OSError:
+                                    continue
+                                if st.st_ino == hit[0] and st.st_mtime_ns == hit[1] and st.st_ctime_ns == hit[2]:
+                                    cells[(owner_run, hit[4])] += hit[3]
+                                    total += hit[3]
+                                    kept_here[entry.name] = hit
+                                    continue
+                            total += self._checkpoint(entry, owner_run, cells, current)
+                            continue
+                        try:
+                            st = entry.stat(follow_symlinks=False)
+                        except OSError:
+                            continue
+                        mine = label if owner_run is None else owner_run
+                        stack.append((path, mine))
+                        n = st.st_blocks * 512
+                        cells[(mine, st.st_uid)] += n
+                        total += n
                         continue
                     try:
                         st = entry.stat(follow_symlinks=False)
                     except OSError:
                         continue
-                    if is_dir:
-                        mine = labels.get(entry.path, label)
-                        stack.append((entry.path, mine))
-                    elif st.st_nlink > 1:
+                    if st.st_nlink > 1:
                         key = (st.st_dev, st.st_ino)
                         if key in seen:
                             continue
                         seen.add(key)
-                        mine = label
-                    else:
-                        mine = label
-                    n = st.st_blocks * 512
-                    cells[(mine, st.st_uid)] += n
-                    total += n
+                    uid = st.st_uid
+                    files[uid] = files.get(uid, 0) + st.st_blocks * 512
+            for uid, n in files.items():
+                cells[(label, uid)] += n
+                total += n
             if kept_here:
                 kept.setdefault(current, {}).update(kept_here)
         return total
