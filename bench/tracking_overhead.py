@@ -41,13 +41,13 @@ import torch
 from det_lab.tracking.events import RunInfo
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_server import MlflowServer, free_port
-from det_lab.tracking.sender import yield_the_cpu
+from det_lab.tracking.delivery import yield_the_cpu
 
 ARMS = ("none", "busy", "mlflow", "aim", "both")
 #: "busy": no mirror, while a busy loop in SCHED_IDLE (the senders' class) runs in another process.
 #: It is the floor any out-of-process delivery has on this machine: what a neighbour that only
 #: takes idle CPU still costs the loop (shared caches, memory bandwidth, a hypervisor's vCPUs).
-BUSY = "from det_lab.tracking.sender import yield_the_cpu\nyield_the_cpu()\nwhile True:\n    pass\n"
+BUSY = "from det_lab.tracking.delivery import yield_the_cpu\nyield_the_cpu()\nwhile True:\n    pass\n"
 
 AIM_CEILING = textwrap.dedent("""
     import sys, time

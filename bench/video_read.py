@@ -64,7 +64,7 @@ class _Images(torch.utils.data.Dataset):
 def _reader(kind: str, root: Path):
     if kind == "lerobot":
         return import_lerobot_dataset()("bench/video", root=root)
-    from det_lab.datasets import LeRobotDataset
+    from det_lab.formats import LeRobotDataset
 
     return LeRobotDataset(root, video_decoder=kind.removeprefix("det_lab-"))
 

@@ -78,7 +78,7 @@ def _accounting_checks(settings: LabSettings) -> Iterator[Check]:
         return  # det-lab slurm commands say what is wrong with it
     if slurm.accounting is None:
         return
-    from det_lab.accounting.sync import AccountingError, sacctmgr
+    from det_lab.accounting.slurm_accounts import AccountingError, sacctmgr
 
     try:
         clusters = sacctmgr("show", "cluster", "format=Cluster", timeout=15).split()
@@ -95,7 +95,7 @@ def _accounting_checks(settings: LabSettings) -> Iterator[Check]:
 
 def _tsdb_checks(mounts_file: Path, tsdb_dirs: list[Path] | None = None) -> Iterator[Check]:
     """Prometheus' TSDB must be on a local disk: on NFS it corrupts (Prometheus' storage docs)."""
-    from det_lab.monitoring.config import installed_tsdb_dirs
+    from det_lab.monitoring.render import installed_tsdb_dirs
 
     for d in installed_tsdb_dirs() if tsdb_dirs is None else tsdb_dirs:
         mount = mount_of(d, parse_mounts(mounts_file.read_text()))

@@ -1,7 +1,7 @@
 """A real one-node Slurm cluster (munged + slurmctld + slurmd) in a temporary directory; with
 accounting, a private MariaDB and slurmdbd started before slurmctld (``slurm_acct_cluster``).
 
-The configuration is det_lab's own rendering (:mod:`det_lab.slurm.conf`) of a node with two fake
+The configuration is det_lab's own rendering (:mod:`det_lab.slurm.render`) of a node with two fake
 GPUs (character devices with no driver behind them), with test-only keys on top: private ports,
 paths and munge socket, root as the Slurm user, and short scheduler and requeue delays.
 Import the fixtures into a test module: ``from tests.slurm_cluster import slurm_cluster, slurm_volume``
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.slurm.accounting_conf import render_slurmdbd_conf, write_slurmdbd_conf
-from det_lab.slurm.conf import render_all
+from det_lab.slurm.render_accounting import render_slurmdbd_conf, write_slurmdbd_conf
+from det_lab.slurm.render import render_all
 from det_lab.slurm.settings import AccountingSettings, NodeSettings, SlurmSettings
 from det_lab.tracking.mlflow_server import free_port
 from tests.conftest import Lab, publish_tiny_data

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from det_lab.cluster.config import render_master
+from det_lab.cluster.render import render_master
 from det_lab.cluster.settings import load_cluster_settings
 from det_lab.settings import load_settings
 from det_lab.volume import VolumeLayout

@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from det_lab.cli.app import app
-from det_lab.cluster.config import render_agent, render_master
+from det_lab.cluster.render import render_agent, render_master
 from det_lab.cluster.schema import agent_errors, master_errors
 from det_lab.cluster.settings import ClusterConfigError, load_cluster_settings
 from det_lab.settings import load_settings

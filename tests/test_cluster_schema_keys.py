@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from det_lab.cluster.config import render_master
+from det_lab.cluster.render import render_master
 from det_lab.cluster.schema import master_errors
 from det_lab.cluster.settings import load_cluster_settings
 from det_lab.settings import load_settings

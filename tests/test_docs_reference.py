@@ -137,9 +137,9 @@ def test_describe_declares_what_the_volume_sources_export(lab):
     """The sources that run here, on a real volume with a run and a journal: each family they
     export is declared by the collector's describe() with the same labels."""
     from det_lab.monitoring.collector import LabCollector
-    from det_lab.monitoring.runs import RunsSource
-    from det_lab.monitoring.trackers import TrackersSource
-    from det_lab.monitoring.volume import VolumeSource
+    from det_lab.monitoring.source_runs import RunsSource
+    from det_lab.monitoring.source_trackers import TrackersSource
+    from det_lab.monitoring.source_volume import VolumeSource
     from det_lab.settings import load_settings
     from det_lab.volume import VolumeLayout
 

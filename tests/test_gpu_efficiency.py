@@ -87,7 +87,7 @@ def test_efficiency_summary_is_what_the_gpu_reported(gpu_lab):
     assert "the data loader may be the bottleneck (num_workers=0)" in shown
 
     # the exporter's runs source: the same figures, per run and GPU
-    from det_lab.monitoring.runs import RunsSource
+    from det_lab.monitoring.source_runs import RunsSource
 
     found = {(s.name, s.labels.get("run"), s.labels.get("gpu")): s.value
              for fam in RunsSource(load_settings(lab.config, env={})).collect() for s in fam.samples}

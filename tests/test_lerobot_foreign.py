@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from det_lab.datasets import LeRobotDataset, LeRobotDatasetError
+from det_lab.formats import LeRobotDataset, LeRobotDatasetError
 from tests.lerobot_writer import finish, import_lerobot_dataset, run_lerobot, skip_without_lerobot, v21_library
 
 CAMERA = "observation.images.front"

@@ -489,8 +489,8 @@ def test_missing_squeue_is_an_error_not_an_idle_cluster(lab, slurm_cluster):  # 
     from prometheus_client import generate_latest
 
     from det_lab.monitoring.exporter import registry_for
-    from det_lab.monitoring.slurm import SlurmSource
-    from det_lab.monitoring.volume import VolumeSource
+    from det_lab.monitoring.source_slurm import SlurmSource
+    from det_lab.monitoring.source_volume import VolumeSource
     from det_lab.settings import load_settings
 
     env = {**os.environ, **slurm_cluster.env, "PATH": "/nonexistent"}
@@ -532,7 +532,7 @@ def test_stopped_slurmctld_sets_the_slurm_error_while_others_export(exporter, sl
 
 def test_doctor_warns_when_the_tsdb_is_on_nfs(tmp_path):
     from det_lab.doctor import _tsdb_checks
-    from det_lab.monitoring.config import installed_tsdb_dirs
+    from det_lab.monitoring.render import installed_tsdb_dirs
 
     mounts = tmp_path / "mounts"
     mounts.write_text("/dev/sda1 / ext4 rw 0 0\nfiler:/lab /srv/lab nfs4 rw,hard 0 0\n")
@@ -550,7 +550,7 @@ def test_doctor_warns_when_the_tsdb_is_on_nfs(tmp_path):
 
 def test_master_yaml_enables_prometheus(tmp_path):
     from det_lab.cluster import schema
-    from det_lab.cluster.config import render_master
+    from det_lab.cluster.render import render_master
     from det_lab.cluster.settings import ClusterSettings
     from det_lab.settings import LabSettings
 
@@ -589,7 +589,7 @@ def test_token_refresh_keeps_the_old_token_when_the_master_is_down(lab, tmp_path
 def test_squeue_lines_of_other_slurm_versions_and_typed_gpus():
     """squeue's gres column as 22.05 (``gres:gpu:2``), 23.02+ (``gres/gpu:2``) and typed GPUs print it;
     a 2-node job counts its per-node GPUs twice; a name with the separator stays whole; final states go."""
-    from det_lab.monitoring.slurm import parse_squeue
+    from det_lab.monitoring.source_slurm import parse_squeue
 
     text = "\n".join([
         "11|alice|vla|a100|RUNNING|None|2026-12-01T10:00:00|2026-12-01T10:00:05|gres:gpu:2|1|train",
@@ -723,7 +723,7 @@ def test_config_targets_come_from_the_slurm_and_cluster_configs(tmp_path):
 def test_a_gpu_process_is_attributed_to_its_user_slurm_job_and_run(tmp_path):
     """What the GPU source labels each NVML process with, read from /proc for a real process of
     another user (NVML itself needs a driver, absent here)."""
-    from det_lab.monitoring.gpus import process_owner
+    from det_lab.monitoring.source_gpus import process_owner
 
     if os.geteuid() != 0:
         pytest.skip("starting a process as nobody needs root")
@@ -769,7 +769,7 @@ def test_textfile_for_node_exporter_is_written_whole(lab, tmp_path):
 def test_backlog_counts_from_each_cursor_and_ages_from_the_first_undelivered_event(tmp_path):
     """Cursors past the start and a torn last line (a writer killed mid-append): the oldest
     undelivered event is the one just after each cursor, not its neighbour or the first event."""
-    from det_lab.monitoring.trackers import backlog
+    from det_lab.monitoring.source_trackers import backlog
     from det_lab.tracking.events import Metrics, RunInfo
     from det_lab.tracking.journal import Cursor, Journal
 
@@ -794,7 +794,7 @@ def test_backlog_counts_from_each_cursor_and_ages_from_the_first_undelivered_eve
 def test_volume_areas_are_the_directories_the_quota_counts(tmp_path):
     """The volume source splits a project's bytes by its own list of areas; a directory added to
     the quota's list (VolumeLayout.project_dirs) and not to it would go missing from its total."""
-    from det_lab.monitoring.volume import AREAS, area_dir
+    from det_lab.monitoring.source_volume import AREAS, area_dir
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout(tmp_path)

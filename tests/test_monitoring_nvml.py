@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.monitoring.gpus import process_owner
+from det_lab.monitoring.source_gpus import process_owner
 from tests.test_monitoring import parse_exposition, samples, start_exporter, stop_exporter
 
 SHIM_SOURCE = Path(__file__).with_name("nvml_shim.c")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from det_lab.monitoring.trackers import TrackersSource
+from det_lab.monitoring.source_trackers import TrackersSource
 from det_lab.settings import load_settings
 from det_lab.volume import init_volume
 from tests.conftest import publish_tiny_data

@@ -232,7 +232,7 @@ def test_master_reachable_only_when_info_answers(tmp_path, monkeypatch):
 
 
 def test_det_template_matches_the_task_defaults_and_the_shipped_copy():
-    from det_lab.cluster.config import render_master
+    from det_lab.cluster.render import render_master
     from det_lab.cluster.settings import ClusterSettings
     from det_lab.settings import LabSettings, TrackingSettings
 

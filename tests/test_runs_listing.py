@@ -299,7 +299,7 @@ def test_another_members_unreadable_run_is_listed_as_such_and_the_rest_as_they_a
     import shutil
     import tempfile
 
-    from det_lab.monitoring.runs import RunsSource
+    from det_lab.monitoring.source_runs import RunsSource
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume
 

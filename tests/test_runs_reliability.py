@@ -306,7 +306,7 @@ def test_a_local_run_shows_running_while_it_trains_and_died_when_its_processes_v
     """runs list and the exporter say "running" while a trial trains (a resumed run too, not the
     "stopped" of its last end), and "died" once its trial and det-lab run vanished without recording
     how (both frozen, then killed -9: a machine that lost power); --resume brings it to the end."""
-    from det_lab.monitoring.runs import RunsSource
+    from det_lab.monitoring.source_runs import RunsSource
 
     lab = runs_lab
     config = write_config(lab, TINY / "const.yaml", "tiny-died", lambda c: (

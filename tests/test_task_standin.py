@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from det_lab.cluster.config import prepare_local_cache, publish_task_config, render_master, task_config_path
+from det_lab.cluster.render import prepare_local_cache, publish_task_config, render_master, task_config_path
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.settings import load_settings
 from tests.task_standin import Image, LinkedUser, env_list, experiment_config, pool_defaults, run_trial
@@ -378,7 +378,7 @@ def test_doctor_says_when_tasks_would_read_an_old_lab_config(tmp_path, monkeypat
 def test_a_tracking_server_on_localhost_is_named_before_tasks_lose_their_metrics(lab):
     """network_mode: bridge (det_lab renders it; task_container_defaults.go:80-84 defaults to it)
     gives each container its own network namespace: 127.0.0.1 there is not the master machine."""
-    from det_lab.cluster.config import tracking_problems
+    from det_lab.cluster.render import tracking_problems
 
     settings = lab.settings.model_copy(update={"tracking": lab.settings.tracking.model_copy(
         update={"backend": "mlflow", "mlflow_uri": "http://127.0.0.1:5000"})})

@@ -20,7 +20,7 @@ from det_lab.tracking.events import Metrics, RunInfo
 from det_lab.tracking.journal import Cursor, Journal, JournalReader
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.mlflow_backend import RUN_KEY_TAG
-from det_lab.tracking.sender import sender_lock
+from det_lab.tracking.delivery import sender_lock
 from tests.aim_fixtures import Relay
 
 ROOT = Path(__file__).parent.parent
@@ -304,7 +304,7 @@ def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
     # Aim closes its storage in an exit handler that waits without a bound for a cleanup thread;
     # a sender stuck there would hold its journal's lock for ever (seen with a vanished repo)
     script = ("import atexit, threading\n"
-              "from det_lab.tracking.sender import exit_bounded\n"
+              "from det_lab.tracking.delivery import exit_bounded\n"
               "atexit.register(lambda: threading.Event().wait())\n"
               "exit_bounded(1.0, 3)\n")
     started = time.monotonic()

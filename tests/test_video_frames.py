@@ -28,8 +28,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from det_lab.datasets import LeRobotDataset, LeRobotDatasetError
-from det_lab.datasets import video as video_mod
+from det_lab.formats import LeRobotDataset, LeRobotDatasetError
+from det_lab.formats import video as video_mod
 from tests.lerobot_writer import finish, import_lerobot_dataset, run_lerobot, skip_without_lerobot, v21_library
 
 pytestmark = skip_without_lerobot()
@@ -266,7 +266,7 @@ def test_a_video_that_does_not_start_at_zero(tmp_path: Path, decoder: str) -> No
 
 _NO_FFMPEG = """
 import sys
-from det_lab.datasets import LeRobotDataset, LeRobotDatasetError
+from det_lab.formats import LeRobotDataset, LeRobotDatasetError
 from tests.test_video_frames import decode
 if sys.argv[2] == "no-av":
     sys.modules["av"] = None  # PyAV not installed either

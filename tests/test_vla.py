@@ -21,7 +21,7 @@ from mlflow.tracking import MlflowClient
 
 from det_lab.data import pull
 from det_lab.data.demo import IMAGE_KEY, make_vla_demo, make_vla_demo_v21
-from det_lab.datasets import (
+from det_lab.formats import (
     LeRobotDataset,
     LeRobotDatasetError,
     VideoDecoderMissing,
@@ -194,7 +194,7 @@ def test_images_embedded_in_parquet_read_like_files(demos, tmp_path):
 
 def test_video_camera_without_a_decoder_is_a_clear_error(demos, tmp_path, monkeypatch):
     """Neither torchcodec nor PyAV importable (as where neither is installed): one line naming both."""
-    from det_lab.datasets import video
+    from det_lab.formats import video
 
     for module in ("torchcodec", "torchcodec.decoders", "av"):
         monkeypatch.setitem(sys.modules, module, None)  # `import av` now fails as if not installed
@@ -389,7 +389,7 @@ def test_killed_cache_builder_leaves_nothing_a_reader_takes(demos, tmp_path):
 import sys, time
 sys.path.insert(0, {str(TEMPLATE)!r})
 import frame_cache
-from det_lab.datasets import LeRobotDataset
+from det_lab.formats import LeRobotDataset
 frame_cache._BUILD_CHUNK = 4
 slow = frame_cache.to_uint8
 def to_uint8(images, resize):

@@ -172,7 +172,7 @@ def test_doctor_warns_at_80_percent_naming_the_largest_consumers(lab):
 
 
 def test_exporter_reports_bytes_per_user_and_what_cleaning_frees(volume, other_user):
-    from det_lab.monitoring.volume import VolumeSource
+    from det_lab.monitoring.source_volume import VolumeSource
 
     lab, settings, layout = volume
     ck, runs = layout.project_checkpoints("vla"), layout.outputs("vla") / "local-runs"

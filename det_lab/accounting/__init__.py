@@ -4,7 +4,7 @@ Built on the Slurm settings (:mod:`det_lab.slurm.settings`, the ``accounting:`` 
 det_lab's run records; it talks to Slurm only through its commands (``sacctmgr -i -P``, ``sacct``,
 ``squeue``), as an administrator would.
 
-- :mod:`det_lab.accounting.sync`: makes Slurm's associations match the lab config (``det-lab slurm accounts``);
+- :mod:`det_lab.accounting.slurm_accounts`: makes Slurm's associations match the lab config (``det-lab slurm accounts``);
 - :mod:`det_lab.accounting.limits`: a run's limits before submission, and Slurm's pending reasons in words;
 - :mod:`det_lab.accounting.usage`: GPU-hours from ``sacct`` joined with the run records (``det-lab usage``).
 """

@@ -10,7 +10,7 @@ import re
 import subprocess
 from dataclasses import dataclass
 
-from det_lab.accounting.sync import AccountingError, sacctmgr
+from det_lab.accounting.slurm_accounts import AccountingError, sacctmgr
 
 _GPUS = re.compile(r"gres/gpu=(\d+)")
 

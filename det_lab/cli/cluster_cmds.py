@@ -62,7 +62,7 @@ def _one_line_errors(errors: list[str], what: str) -> None:
 
 
 def _warn_tracking(lab: LabSettings) -> None:
-    from det_lab.cluster.config import tracking_problems
+    from det_lab.cluster.render import tracking_problems
 
     for problem in tracking_problems(lab):
         err_console.print(f"[bold yellow]warning:[/] {problem}", highlight=False, soft_wrap=True)
@@ -93,7 +93,7 @@ def config(
     """Render and validate master.yaml and agent.yaml (no secrets in them)."""
     import yaml
 
-    from det_lab.cluster.config import render_agent, render_master
+    from det_lab.cluster.render import render_agent, render_master
     from det_lab.cluster.schema import agent_errors, master_errors
 
     if out is not None:
@@ -328,7 +328,7 @@ def template(
     """
     import yaml
 
-    from det_lab.cluster.config import render_notebook_template, render_task_template
+    from det_lab.cluster.render import render_notebook_template, render_task_template
     from det_lab.cluster.config_template import apply_template
     from det_lab.cluster.secrets import private_dir
 

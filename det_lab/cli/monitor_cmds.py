@@ -85,7 +85,7 @@ def config_(
     scrape_interval: str = typer.Option("30s", help="How often Prometheus scrapes and evaluates rules."),
 ) -> None:
     """Write prometheus.yml, recording and alert rules, Grafana provisioning and systemd units."""
-    from det_lab.monitoring.config import Machine, MonitorPlan, machines_from_configs, write
+    from det_lab.monitoring.render import Machine, MonitorPlan, machines_from_configs, write
     from det_lab.monitoring.rules import Thresholds
 
     from det_lab.monitoring.report import ReportError, parse_duration
@@ -122,7 +122,7 @@ def token(
     master: str | None = typer.Option(None, help="Master URL (default: the lab's master_url or cluster config)."),
 ) -> None:
     """Log in to the Determined master (DET_USER / DET_PASS) and write a fresh token for Prometheus."""
-    from det_lab.monitoring.config import TOKEN_FILE
+    from det_lab.monitoring.render import TOKEN_FILE
     from det_lab.monitoring.token import renew
 
     out_dir(out, TOKEN_FILE)

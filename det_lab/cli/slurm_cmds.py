@@ -64,8 +64,8 @@ def config(
         "slurmdbd.conf, 0600; default: print them).")),
 ) -> None:
     """Render slurm.conf, gres.conf and cgroup.conf for the lab's machines (with accounting: slurmdbd.conf too)."""
-    from det_lab.slurm.accounting_conf import accounting_notes
-    from det_lab.slurm.conf import render_all, setup_notes
+    from det_lab.slurm.render_accounting import accounting_notes
+    from det_lab.slurm.render import render_all, setup_notes
 
     lab, slurm = load(ctx)
     files = render_all(slurm, lab)
@@ -91,7 +91,7 @@ def config(
 
 def _write_slurmdbd(slurm: SlurmSettings, out: Path) -> tuple[Path, str | None]:
     """slurmdbd.conf in ``out`` (0600, the Slurm user's), its password generated once: the password's file."""
-    from det_lab.slurm.accounting_conf import db_password, render_slurmdbd_conf, write_slurmdbd_conf
+    from det_lab.slurm.render_accounting import db_password, render_slurmdbd_conf, write_slurmdbd_conf
 
     try:
         pw_file, password, _ = db_password(slurm.accounting)
@@ -177,7 +177,7 @@ def accounts(
 ) -> None:
     """Make Slurm's accounts, members and GPU limits match the lab config (sacctmgr): prints the plan
     (add / change / remove); removes only what it made, never root or accounts made by hand."""
-    from det_lab.accounting.sync import apply, plan, read_state, with_cluster_name
+    from det_lab.accounting.slurm_accounts import apply, plan, read_state, with_cluster_name
 
     _, slurm = load(ctx)
     if slurm.accounting is None:

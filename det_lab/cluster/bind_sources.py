@@ -14,7 +14,7 @@ import os
 import socket
 from typing import Any
 
-from det_lab.cluster.config import render_master
+from det_lab.cluster.render import render_master
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.settings import LabSettings
 

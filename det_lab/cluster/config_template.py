@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
-from det_lab.cluster.config import publish_task_config
+from det_lab.cluster.render import publish_task_config
 from det_lab.errors import UserError
 from det_lab.settings import LabSettings
 

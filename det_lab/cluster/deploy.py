@@ -37,7 +37,7 @@ import yaml
 from det_lab.errors import UserError
 from det_lab.cluster import schema
 from det_lab.cluster.bind_sources import check_bind_sources
-from det_lab.cluster.config import DB_HOST, prepare_local_cache, publish_task_config, render_agent, render_master
+from det_lab.cluster.render import DB_HOST, prepare_local_cache, publish_task_config, render_agent, render_master
 from det_lab.cluster.plan import agent_yaml_path, master_yaml_path, use_gpus
 from det_lab.cluster.secrets import ClusterSecrets, ensure_cluster_secrets, ensure_private_dir, write_private
 from det_lab.cluster.settings import ClusterSettings

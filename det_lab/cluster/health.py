@@ -43,7 +43,7 @@ def bind_source_checks(settings: LabSettings) -> Iterator[Check]:
 
 def task_config_checks(settings: LabSettings) -> Iterator[Check]:
     """Cluster tasks read the lab config from its copy on the volume: there, and the same as this one."""
-    from det_lab.cluster.config import task_config_path, task_config_problem
+    from det_lab.cluster.render import task_config_path, task_config_problem
     from det_lab.cluster.settings import ClusterConfigError, load_cluster_settings
 
     try:

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from det_lab.cluster.config import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts, task_config_path
+from det_lab.cluster.render import DB_HOST, MASTER_CONTAINER_PORT, bind_mounts, task_config_path
 from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.cluster.secrets import ADMIN_PASSWORD_FILE, DB_PASSWORD_FILE
 from det_lab.cluster.settings import ClusterSettings

@@ -15,7 +15,7 @@ lerobot needs Python >= 3.12 and pins an older torch, so det_lab reads the forma
 
 All tabular data (state, action, indices) is loaded into memory once; images are read per
 item: files at ``info["image_path"]``, bytes embedded in the parquet frames, or frames decoded
-from ``info["video_path"]`` videos by torchcodec or PyAV (:mod:`det_lab.datasets.video`: the frame
+from ``info["video_path"]`` videos by torchcodec or PyAV (:mod:`det_lab.formats.video`: the frame
 nearest to the item's timestamp, refused beyond ``tolerance_s``, as LeRobot's reader does).
 
 Every problem with the dataset is a :class:`LeRobotDatasetError` (a ``ValueError``) whose
@@ -41,11 +41,11 @@ import numpy as np
 import torch.utils.data
 from PIL import Image
 
-from det_lab.datasets import lerobot_tables as tables
-from det_lab.datasets import video
-from det_lab.datasets.errors import LeRobotDatasetError, VideoDecoderMissing, dataset_error, first_line
-from det_lab.datasets.lerobot_stats import read_stats
-from det_lab.datasets.lerobot_tables import ACTION, STATE
+from det_lab.formats import lerobot_tables as tables
+from det_lab.formats import video
+from det_lab.formats.errors import LeRobotDatasetError, VideoDecoderMissing, dataset_error, first_line
+from det_lab.formats.lerobot_stats import read_stats
+from det_lab.formats.lerobot_tables import ACTION, STATE
 
 __all__ = ["Episode", "LeRobotDataset", "LeRobotDatasetError", "VideoDecoderMissing", "split_episodes"]
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from det_lab.datasets.errors import dataset_error, first_line
-from det_lab.datasets.lerobot_tables import read_json, read_jsonl
+from det_lab.formats.errors import dataset_error, first_line
+from det_lab.formats.lerobot_tables import read_json, read_jsonl
 
 
 def read_stats(root: Path, meta: list[dict[str, Any]]) -> dict[str, dict[str, np.ndarray]]:

@@ -1,7 +1,7 @@
 """The metadata and tables of a LeRobot dataset (v3.0 and v2.1/v2.0 layouts), read with pyarrow.
 
 Layouts: LeRobot's ``src/lerobot/datasets/lerobot_dataset.py`` and its v2.1 -> v3.0 converter.
-Every problem is a :class:`~det_lab.datasets.errors.LeRobotDatasetError` naming the file.
+Every problem is a :class:`~det_lab.formats.errors.LeRobotDatasetError` naming the file.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from det_lab.datasets.errors import dataset_error
+from det_lab.formats.errors import dataset_error
 
 SUPPORTED_VERSIONS = ("v2.0", "v2.1", "v3.0")
 STATE = "observation.state"

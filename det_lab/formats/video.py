@@ -31,7 +31,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from det_lab.datasets.errors import LeRobotDatasetError, VideoDecoderMissing, dataset_error, first_line
+from det_lab.formats.errors import LeRobotDatasetError, VideoDecoderMissing, dataset_error, first_line
 
 __all__ = ["DECODERS", "DEFAULT_TOLERANCE_S", "FrameReader", "decoder_problem", "nearest", "reader", "working_decoder"]
 

@@ -39,19 +39,19 @@ def build_sources(settings: LabSettings, names: Sequence[str]) -> list[Source]:
     out: list[Source] = []
     for name in dict.fromkeys(names):
         if name == "gpus":
-            from det_lab.monitoring.gpus import GpuSource
+            from det_lab.monitoring.source_gpus import GpuSource
             out.append(GpuSource())
         elif name == "slurm":
-            from det_lab.monitoring.slurm import SlurmSource
+            from det_lab.monitoring.source_slurm import SlurmSource
             out.append(SlurmSource())
         elif name == "volume":
-            from det_lab.monitoring.volume import VolumeSource
+            from det_lab.monitoring.source_volume import VolumeSource
             out.append(VolumeSource(settings))
         elif name == "runs":
-            from det_lab.monitoring.runs import RunsSource
+            from det_lab.monitoring.source_runs import RunsSource
             out.append(RunsSource(settings))
         else:
-            from det_lab.monitoring.trackers import TrackersSource
+            from det_lab.monitoring.source_trackers import TrackersSource
             out.append(TrackersSource(settings))
     return out
 

@@ -316,7 +316,7 @@ def det_template(lab: LabSettings | None = None, cluster: Any = None) -> dict[st
     """The Determined config template ``det-lab`` (see ``det-lab cluster template``): the volume's
     bind mounts, det_lab's environment variables and the lab's task image, experiment-config keys
     only, so it serves ``det notebook start --template det-lab`` and experiments alike."""
-    from det_lab.cluster.config import render_task_template
+    from det_lab.cluster.render import render_task_template
     from det_lab.cluster.settings import load_cluster_settings
 
     lab = lab or load_settings()

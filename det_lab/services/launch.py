@@ -48,7 +48,7 @@ def charged_account(slurm: SlurmSettings, conf: dict[str, Any], source: str) -> 
     if slurm.accounting is None:
         return None
     from det_lab.accounting.limits import limits_for, refusal
-    from det_lab.accounting.sync import AccountingError
+    from det_lab.accounting.slurm_accounts import AccountingError
     from det_lab.trials.expconf import lab_section
 
     project = lab_section(conf, source).project

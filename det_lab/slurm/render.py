@@ -15,7 +15,7 @@ What the files encode, and why:
 from __future__ import annotations
 
 from det_lab.settings import LabSettings
-from det_lab.slurm.accounting_conf import accounting_keys, billing_weights, render_job_submit_lua
+from det_lab.slurm.render_accounting import accounting_keys, billing_weights, render_job_submit_lua
 from det_lab.slurm.settings import SlurmSettings
 
 
@@ -117,7 +117,7 @@ def render_cgroup_conf() -> str:
 
 def render_all(slurm: SlurmSettings, lab: LabSettings | None = None) -> dict[str, str]:
     """The files by name: slurm.conf, gres.conf, cgroup.conf, and with accounting job_submit.lua
-    (slurmdbd.conf holds a secret: :mod:`det_lab.slurm.accounting_conf` writes it)."""
+    (slurmdbd.conf holds a secret: :mod:`det_lab.slurm.render_accounting` writes it)."""
     files = {"slurm.conf": render_slurm_conf(slurm, lab), "gres.conf": render_gres_conf(slurm),
              "cgroup.conf": render_cgroup_conf()}
     if slurm.accounting is not None:

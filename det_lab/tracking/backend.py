@@ -14,7 +14,7 @@ RunStatus = Literal["FINISHED", "FAILED", "KILLED"]
 class TrackerBackend(ABC):
     """A tracker the mirror delivers to.
 
-    Only a sender process (:mod:`det_lab.tracking.sender`) or ``det-lab tracking sync`` calls
+    Only a sender process (:mod:`det_lab.tracking.delivery`) or ``det-lab tracking sync`` calls
     these, never the training process. Any exception means "not delivered, try again later": the
     events stay in the journal and ``open`` / ``deliver`` are called again with the same events
     once the tracker answers, possibly by another process after a crash. ``deliver`` must

@@ -1,6 +1,6 @@
 """Delivery of one backend's events from a journal: the sender process, and ``tracking sync``.
 
-    python -m det_lab.tracking.sender JOURNAL_DIR --backend mlflow --writer TOKEN
+    python -m det_lab.tracking.delivery JOURNAL_DIR --backend mlflow --writer TOKEN
 
 The trial's :class:`~det_lab.tracking.mirror.Mirror` starts one such process per backend
 (in the idle CPU class, in its own session) and talks to it over its stdin/stdout:

@@ -5,7 +5,7 @@ The training process only appends events to the durable
 packed as doubles in hex: formatting floats as text would cost more than everything else) and
 queues it; a small writer
 thread appends the queued lines in batches, fsyncs them and wakes the senders. Delivery runs in
-one sender process per backend (:mod:`det_lab.tracking.sender`), in the idle CPU class, in its own session, so
+one sender process per backend (:mod:`det_lab.tracking.delivery`), in the idle CPU class, in its own session, so
 neither the tracker's client nor the network ever competes with the training loop, and a
 killed trial's events are still delivered. The writer thread checks every few seconds that the
 senders live, and restarts one that died; it picks up at its cursor.
@@ -32,7 +32,7 @@ from typing import Any
 from det_lab.tracking.backend import RunStatus
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Params, RunInfo, Tags, flatten, numeric
 from det_lab.tracking.journal import Journal, encode
-from det_lab.tracking.senders import STARTUP_GRACE, SenderProcess
+from det_lab.tracking.sender_control import STARTUP_GRACE, SenderProcess
 
 log = logging.getLogger("det_lab.tracking")
 

@@ -1,6 +1,6 @@
 """The trial's side of a sender process: start it, wake it, ask it to catch up, restart it.
 
-The sender (:mod:`det_lab.tracking.sender`) runs in its own session, so it outlives the trial
+The sender (:mod:`det_lab.tracking.delivery`) runs in its own session, so it outlives the trial
 (a SIGKILL, or a signal to the trial's process group) and finishes delivering on its own. Its
 stdin is the trial's: when the trial goes away for any reason the sender reads end of input.
 """
@@ -51,7 +51,7 @@ class SenderProcess:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         with open(self.log_path, "ab") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "det_lab.tracking.sender", str(self.journal_dir), "--backend", self.backend,
+                [sys.executable, "-m", "det_lab.tracking.delivery", str(self.journal_dir), "--backend", self.backend,
                  "--writer", self.writer, "--linger", str(self.linger)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
             )

@@ -15,7 +15,7 @@ from typing import Any
 
 from det_lab.tracking.journal import Journal, JournalError
 from det_lab.tracking.mirror import BackendSummary, DeliverySummary
-from det_lab.tracking.sender import Busy, Sender, sender_lock
+from det_lab.tracking.delivery import Busy, Sender, sender_lock
 
 
 def backlog(journal_dir: Path) -> tuple[int, str | None]:

@@ -1,6 +1,6 @@
 """The template's view of a LeRobot dataset: det_lab's reader plus tokenised instructions.
 
-The format itself is read by :mod:`det_lab.datasets.lerobot` (shared with notebooks and other
+The format itself is read by :mod:`det_lab.formats.lerobot` (shared with notebooks and other
 templates); this module only turns its items into the tensors :class:`model.VLAPolicy` takes:
 per item with images decoded on the fly (:class:`PolicyFrames`), or whole batches gathered from
 the uint8 frame cache (:class:`CachedPolicyFrames`, ``frame_cache`` set; see ``frame_cache.py``).
@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from det_lab.datasets import LeRobotDataset, split_episodes
+from det_lab.formats import LeRobotDataset, split_episodes
 from frame_cache import open_frames
 from model import tokenize
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from det_lab.data.lock import pid_alive
-from det_lab.datasets import LeRobotDataset
+from det_lab.formats import LeRobotDataset
 
 log = logging.getLogger("vla.frame_cache")
 
