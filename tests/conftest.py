@@ -160,6 +160,23 @@ def lab(tmp_path: Path) -> Lab:
     return lab
 
 
+def tiny_data_lab(tmp: Path, tracking: dict | None = None) -> Lab:
+    """A lab under ``tmp`` with an initialised volume and the tiny regression dataset published
+    (:func:`publish_tiny_data`); no tracker unless ``tracking`` names one."""
+    from det_lab.settings import load_settings
+    from det_lab.volume import init_volume
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               HOME=str(tmp / "home"))
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking=tracking or {"backend": "none"})
+    settings = load_settings(lab.config, env={})
+    init_volume(settings)
+    publish_tiny_data(settings, tmp)
+    return lab
+
+
 def publish_tiny_data(settings, workdir: Path) -> None:
     """Publish the tiny regression dataset (``tests/fixtures/tiny`` trains on it) as ``vla/tiny-data``."""
     import numpy as np

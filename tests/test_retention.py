@@ -22,11 +22,9 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.settings import load_settings
 from det_lab.trials import retention
 from det_lab.trials.record import LocalRunRecord
-from det_lab.volume import init_volume
-from tests.conftest import VENV_BIN, Lab, publish_tiny_data
+from tests.conftest import VENV_BIN, Lab, tiny_data_lab
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 # val_loss at steps 10..50: steps 20 and 40 tie for best; 45 is a checkpoint without a validation
@@ -218,16 +216,7 @@ def test_a_pass_killed_with_9_is_finished_by_the_next(tmp_path, where):
 
 @pytest.fixture(scope="module")
 def tiny_lab(tmp_path_factory) -> Lab:
-    tmp = tmp_path_factory.mktemp("retention-lab")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
-    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
-               HOME=str(tmp / "home"))
-    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "none"})
-    settings = load_settings(lab.config, env={})
-    init_volume(settings)
-    publish_tiny_data(settings, tmp)
-    return lab
+    return tiny_data_lab(tmp_path_factory.mktemp("retention-lab"))
 
 
 # a checkpoint and a validation every 20 batches, to 80; Determined's default keys

@@ -5,14 +5,11 @@ console script: ``--local --slurm`` is refused (it used to take Slurm silently),
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
-from det_lab.settings import load_settings
-from det_lab.volume import init_volume
-from tests.conftest import Lab, publish_tiny_data
+from tests.conftest import Lab, tiny_data_lab
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
 
@@ -20,16 +17,7 @@ TINY = Path(__file__).parent / "fixtures" / "tiny"
 @pytest.fixture(scope="module")
 def tiny_lab(tmp_path_factory) -> Lab:
     """A lab with the tiny regression dataset published, no tracker (a run needs none)."""
-    tmp = tmp_path_factory.mktemp("flags-lab")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
-    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
-               HOME=str(tmp / "home"))
-    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "none"})
-    settings = load_settings(lab.config, env={})
-    init_volume(settings)
-    publish_tiny_data(settings, tmp)
-    return lab
+    return tiny_data_lab(tmp_path_factory.mktemp("flags-lab"))
 
 
 def _runs(lab: Lab) -> set[Path]:
