@@ -27,7 +27,6 @@ import getpass
 import os
 import re
 import shutil
-import stat
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from det_lab.trials import retention, run_guard
 from det_lab.trials.expconf import project_of
 from det_lab.trials.listing import user_name
 from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, LocalRunRecord, run_dirs
+from det_lab.trials.trees import TreeCache, cannot_remove, walked_bytes
 from det_lab.volume import VolumeLayout
 
 #: run.json statuses a run can be pruned by (``running`` is refused: a live run is never deleted)
@@ -142,36 +142,6 @@ def status_of(run: LocalRunRecord, state: dict[str, Any]) -> str:
     return run_guard.training_status(state, run.dir) if run.kind == "local" else str(state.get("status") or "created")
 
 
-def cannot_remove(tree: Path) -> str | None:
-    """Why this user could not ``rm -r tree`` (Unix permissions, as rm would meet them), or None."""
-    parent = tree.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"{parent} is not writable by {getpass.getuser()}"
-    pst = parent.stat()
-    if pst.st_mode & stat.S_ISVTX and os.geteuid() not in (0, pst.st_uid, tree.lstat().st_uid):
-        return f"{parent} is sticky and {tree.name} is not {getpass.getuser()}'s"
-    if not tree.is_dir() or tree.is_symlink():
-        return None
-    unreadable: list[OSError] = []
-    for dirpath, _, _ in os.walk(tree, onerror=unreadable.append):  # os.walk does not follow links
-        if not os.access(dirpath, os.R_OK | os.W_OK | os.X_OK):
-            return f"{dirpath} is not writable by {getpass.getuser()} (the group needs write rights)"
-    if unreadable:
-        return f"{unreadable[0].filename} cannot be read by {getpass.getuser()}"
-    return None
-
-
-def _tree_bytes(tree: Path) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(tree):
-        for f in files:
-            try:
-                total += os.lstat(os.path.join(dirpath, f)).st_size
-            except OSError:
-                continue
-    return total
-
-
 def _describe_trackers(run: LocalRunRecord) -> list[str]:
     from det_lab.tracking.late_tags import recorded_targets, unreachable
 
@@ -238,7 +208,7 @@ def _finish(settings: LabSettings, plan: Plan, every: list[LocalRunRecord]) -> P
         used = retention.used_elsewhere(others, p.dir, {c.name for c in p.checkpoints})
         p.kept_checkpoints = used
         p.checkpoints = [c for c in p.checkpoints if c.name not in used]
-        p.bytes = _tree_bytes(p.dir) + sum(_tree_bytes(c) for c in p.checkpoints)
+        p.bytes = walked_bytes(p.dir) + sum(walked_bytes(c) for c in p.checkpoints)
         p.trackers = _describe_trackers(LocalRunRecord(p.dir))
     layout = VolumeLayout.from_settings(settings)
     roots = {r.dir.parent for r in every} | {LocalRunRecord.runs_root(layout, p) for p in settings.projects}
@@ -321,7 +291,6 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
     """:func:`plan_prune` from the caches: one ``stat`` per run.json; for a chosen run one
     ``lstat`` per directory of its trees and per file (a complete checkpoint's sizes kept)."""
     from det_lab.trials.storage import FactsCache
-    from det_lab.trials.trees import TreeCache
 
     layout = VolumeLayout.from_settings(settings)
     facts_cache, trees = FactsCache(settings.data_root), TreeCache(settings.data_root)
@@ -335,7 +304,7 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
             kinds.add((name, cls))
             directory = str(d)
             try:
-                facts = facts_cache.facts(os.path.join(directory, RUN_FILE))
+                facts = facts_cache.facts(directory + os.sep + RUN_FILE)  # os.path.join's string, without its cost
             except (OSError, ValueError):  # damaged: read as the plan from scratch would
                 p = _planned(settings, cls(d), owners) if not project or name == project else None
                 if p is not None and not (user and p.owner != user) and not (age is not None and now - p.changed < age) \

@@ -42,7 +42,7 @@ _TREES_VERSION = 1  # of the cache file's shape: {identity, dirs: {path: entry}}
 
 @dataclass
 class Tree:
-    """One tree as ``rm -r`` would meet it (see :func:`det_lab.trials.prune.cannot_remove`)."""
+    """One tree as ``rm -r`` would meet it (see :func:`cannot_remove`)."""
 
     exists: bool
     bytes: int = 0  # the apparent sizes of the files below (a link its own; directories nothing)
@@ -139,7 +139,7 @@ class TreeCache:
             del self.known[top]
         if not stat.S_ISDIR(st.st_mode):  # a file or a link: rm removes it as such
             linked = stat.S_ISLNK(st.st_mode) and os.path.isdir(top)
-            return Tree(True, _walked_bytes(top) if linked else 0, refused)
+            return Tree(True, walked_bytes(top) if linked else 0, refused)
         total, unreadable, names = 0, None, frozenset()
         seen: list[list] = []
         settled = checkpoint
@@ -164,9 +164,10 @@ class TreeCache:
             settled = settled and max(dst.st_mtime, dst.st_ctime) < old
             files: dict[str, int] = entry[_FILES]
             if not entry[_KEPT]:  # a file grows without its directory changing: ask each
+                prefix = path + os.sep
                 for name in files:
                     try:
-                        fst = os.lstat(os.path.join(path, name))
+                        fst = os.lstat(prefix + name)
                     except OSError:
                         files[name], settled = 0, False
                         continue
@@ -202,9 +203,29 @@ class TreeCache:
         cachefile.dump(self.path, {"identity": self.identity, "dirs": keep}, _TREES_VERSION)
 
 
-def _walked_bytes(top: str) -> int:
+def cannot_remove(tree: Path) -> str | None:
+    """Why this user could not ``rm -r tree`` (Unix permissions, as rm would meet them), or None:
+    the plan from scratch (:class:`TreeCache` gives the same answer from its cache)."""
+    parent = tree.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{parent} is not writable by {getpass.getuser()}"
+    pst = parent.stat()
+    if pst.st_mode & stat.S_ISVTX and os.geteuid() not in (0, pst.st_uid, tree.lstat().st_uid):
+        return f"{parent} is sticky and {tree.name} is not {getpass.getuser()}'s"
+    if not tree.is_dir() or tree.is_symlink():
+        return None
+    unreadable: list[OSError] = []
+    for dirpath, _, _ in os.walk(tree, onerror=unreadable.append):  # os.walk does not follow links
+        if not os.access(dirpath, _RWX):
+            return f"{dirpath} is not writable by {getpass.getuser()} (the group needs write rights)"
+    if unreadable:
+        return f"{unreadable[0].filename} cannot be read by {getpass.getuser()}"
+    return None
+
+
+def walked_bytes(top: str | Path) -> int:
     """The sizes of the files ``os.walk(top)`` lists (a link to a directory given as ``top`` is
-    walked: what ``cannot_remove``'s figures have always counted)."""
+    walked: what :func:`cannot_remove`'s plan has always counted)."""
     total = 0
     for dirpath, _, files in os.walk(top):
         for f in files:
