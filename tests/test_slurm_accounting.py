@@ -230,7 +230,9 @@ def test_a_members_second_run_waits_on_their_gpu_limit_and_starts_after_the_firs
     refused = cluster.run("sbatch", "-A", "vla", "--gres=gpu:2", "-o", "/dev/null", "--wrap", "true", check=False)
     assert refused.returncode != 0 and "QOSMaxGRESPerUser" in refused.stderr
 
-    first, second = _submit(lab), _submit(lab)
+    # the first trains long enough (2.5 s a batch) to hold its GPU while the second's wait is read
+    # below, even on a loaded machine (a short first run let the second start between two reads)
+    first, second = _submit(lab, "--set", "hyperparameters.sleep_per_batch=2.5"), _submit(lab)
     first_id, second_id = _state(first)["slurm"]["job_id"], _state(second)["slurm"]["job_id"]
     assert "#SBATCH --account=vla" in (first / "job.sbatch").read_text()
     wait_until(lambda: job(cluster, first_id).get("JobState") == "RUNNING", 60, "the first run to start")
