@@ -43,7 +43,8 @@ _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm",
 # integration: everything else (real MLflow/Aim servers, DVC, trainings, PostgreSQL, Prometheus).
 # A file not named here is integration.
 UNIT_FILES = {
-    "test_bad_inputs.py", "test_cluster_checkpoints.py", "test_cluster_config.py", "test_cluster_schema_keys.py",
+    "test_bad_inputs.py", "test_cli_options_cluster.py", "test_cli_options_contract.py", "test_cli_options_out.py",
+    "test_cli_options_read.py", "test_cli_options_renamed.py", "test_cluster_checkpoints.py", "test_cluster_config.py", "test_cluster_schema_keys.py",
     "test_cluster_secrets.py", "test_colmap_foreign.py", "test_data_git.py", "test_demo_data.py",
     "test_docs_reference.py", "test_gpu_queue.py", "test_install_cli_help.py", "test_monitor_token.py",
     "test_monitoring_nvml.py", "test_monitoring_report_axes.py", "test_notebook_checkpoint.py", "test_settings.py",
