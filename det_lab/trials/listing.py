@@ -14,7 +14,6 @@ the next listing reads it again. A cache that cannot be read or written is ignor
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -26,6 +25,7 @@ import orjson
 
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
+from det_lab.trials.cachefile import cache_path
 from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
                                    parse_run_file, run_dirs)
 from det_lab.trials.run_state import RunState
@@ -180,9 +180,7 @@ def _read_entries(directories: list[str]) -> list[dict[str, Any] | tuple[str, st
 def user_cache(data_root: Path, stem: str) -> tuple[Path, dict[str, Any]]:
     """This user's cache file ``<stem>-<volume>.json`` of the volume at ``data_root`` on local disk
     (``$XDG_CACHE_HOME/det-lab``), and what it holds (empty when missing or unreadable)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "det-lab"
-    volume = hashlib.sha256(str(Path(data_root).resolve()).encode()).hexdigest()[:16]
-    path = base / f"{stem}-{volume}.json"
+    path = cache_path(data_root, stem).with_suffix(".json")
     try:
         entries = loads(path.read_bytes())
     except (OSError, ValueError):
