@@ -18,8 +18,6 @@ from det_lab.trials.record import VolumeRunRecord, register
 from det_lab.trials.run_state import ENDED
 
 JOB_SCRIPT = "job.sbatch"
-#: run.json statuses after which the job will not start the trial again
-ENDED_STATUSES = ENDED
 
 
 @register
@@ -70,7 +68,7 @@ class SlurmRunRecord(VolumeRunRecord):
         try:
             job = submit.job_state(job_id)
         except submit.SlurmError as exc:
-            if state.get("status") in ENDED_STATUSES:
+            if state.get("status") in ENDED:  # the job will not start the trial again
                 return None
             return f"Slurm does not answer about its job {job_id} ({exc})"
         if job is None or job.get("JobState") in submit.FINAL_STATES:

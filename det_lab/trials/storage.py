@@ -22,9 +22,9 @@ from det_lab.jsonload import loads
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import project_of
 from det_lab.trials import cachefile
-from det_lab.trials.cachefile import cache_path
 from det_lab.trials.record import RUN_FILE, WAIT_KEY, run_dirs
 from det_lab.trials.run_guard import training_status
+from det_lab.trials.run_state import RunStatus
 from det_lab.volume import VolumeLayout
 
 __all__ = ["FactsCache", "RunDataUse", "RunFacts", "data_gc", "dataset_keep", "run_facts", "trains"]
@@ -81,7 +81,7 @@ class FactsCache:
     cache that cannot be read or written is ignored."""
 
     def __init__(self, data_root: Path) -> None:
-        self.path = cache_path(data_root, "run-facts")
+        self.path = cachefile.cache_path(data_root, "run-facts")
         known = cachefile.load(self.path, _FACTS_VERSION)
         self.entries: dict[str, Any] = known if isinstance(known, dict) else {}
         self.seen: dict[str, Any] = {}
@@ -133,7 +133,8 @@ def run_facts(layout: VolumeLayout, project: str, cache: FactsCache) -> Iterator
 
 def trains(facts: RunFacts, directory: Path) -> bool:
     """Whether the run trains now (a live trainer holds its lock)."""
-    return facts.status in ("running", "created") and training_status({"status": facts.status}, directory) == "running"
+    return facts.status in (RunStatus.RUNNING, RunStatus.CREATED) and \
+        training_status({"status": facts.status}, directory) == RunStatus.RUNNING
 
 
 @dataclass
