@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from det_lab.cli.cluster_common import load as _load
-from det_lab.cli.common import console, fail, out_dir, print_json
+from det_lab.cli.common import console, fail, out_dir, print_dry_run, print_json
 
 
 def backup(
@@ -79,9 +79,7 @@ def restore(
         print_json({**plan.as_dict(), "dry_run": dry_run})
         return
     if dry_run:
-        for line in plan.lines():
-            console.print(line, highlight=False, soft_wrap=True)
-        console.print("dry run: nothing changed", highlight=False)
+        print_dry_run(plan.lines(), "dry run: nothing changed")
         return
     console.print(f"restored {file} into {conn.describe()}; roles are in "
                   f"{b.globals_of(file).name} (apply with psql if they were lost)",

@@ -15,7 +15,7 @@ import typer
 
 from det_lab.cli.cluster_common import META_KEY as _META_KEY
 from det_lab.cli.cluster_common import load as _load
-from det_lab.cli.common import console, err_console, fail, out_dir, print_json
+from det_lab.cli.common import console, err_console, fail, out_dir, print_dry_run, print_json
 
 if TYPE_CHECKING:
     from det_lab.cluster import plan
@@ -217,10 +217,8 @@ def down(
         if as_json:
             print_json(plan.as_dict())
             return
-        for line in plan.lines():
-            console.print(line, highlight=False, soft_wrap=True)
-        console.print(f"dry run: nothing stopped or removed; 'det-lab cluster down{' --delete-db' if delete_db else ''}' "
-                      "does this", highlight=False)
+        print_dry_run(plan.lines(), f"dry run: nothing stopped or removed; 'det-lab cluster down"
+                      f"{' --delete-db' if delete_db else ''}' does this")
         return
     deploy.down(cluster, delete_db=delete_db)
     console.print("cluster containers on this machine stopped", highlight=False)

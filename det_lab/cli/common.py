@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
@@ -62,6 +63,13 @@ def print_json(data: Any) -> None:
     """Print ``data`` as one indented JSON document on stdout: what every ``--json`` prints (paths
     and other non-JSON values as their text)."""
     typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def print_dry_run(lines: Iterable[str], footer: str) -> None:
+    """A dry run's plan, a line each, then ``footer`` saying that nothing changed."""
+    for line in lines:
+        console.print(line, highlight=False, soft_wrap=True)
+    console.print(footer, highlight=False)
 
 
 def out_dir(out: Path, writes: str | None = None) -> Path:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from det_lab.cli.common import console, err_console, fail, print_json, state
+from det_lab.cli.common import console, err_console, fail, print_dry_run, print_json, state
 
 if TYPE_CHECKING:
     from det_lab import data
@@ -201,9 +201,7 @@ def import_(
         if as_json:
             print_json(plan.as_dict())
             return
-        for line in plan.lines():
-            console.print(line, highlight=False, soft_wrap=True)
-        console.print("dry run: nothing written", highlight=False)
+        print_dry_run(plan.lines(), "dry run: nothing written")
         return
     with console.status(f"versioning {directory} with DVC") if not as_json else nullcontext():
         spec, identity = import_directory(settings, Path(directory), name, project, replace=replace, message=message)
