@@ -17,13 +17,6 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
                   no_args_is_help=True)
 
-def find_run(settings: LabSettings, name: str) -> VolumeRunRecord:
-    """The run called ``name`` (:func:`det_lab.trials.listing.find_run`)."""
-    from det_lab.trials.listing import find_run as find
-
-    return find(settings, name)
-
-
 def read_state(run: VolumeRunRecord) -> dict:
     """``run``'s run.json; a damaged one is one error line naming it (exit 1)."""
     from det_lab.trials.record import RunRecordError
@@ -76,6 +69,8 @@ def show(
 
     from det_lab.services.runs import describe
 
+    from det_lab.trials.listing import find_run
+
     run = find_run(state(ctx).settings, name)
     read_state(run)  # a damaged run.json: its one error line, exit 1
     d = describe(run)
@@ -122,6 +117,8 @@ def tail(
     """The run's log (train.log): its last lines, and with -f what follows."""
     from det_lab.services.runs import FINAL, live_status
 
+    from det_lab.trials.listing import find_run
+
     run = find_run(state(ctx).settings, name)
     try:
         text = run.log_file.read_text(errors="replace")
@@ -152,6 +149,8 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     """Stop a run: its trial checkpoints and stops, as on a preemption. A Slurm job is cancelled; a
     local run's trial is signalled on the machine it trains on."""
     from det_lab.services.runs import cancel_run
+
+    from det_lab.trials.listing import find_run
 
     run = find_run(state(ctx).settings, name)
     read_state(run)  # a damaged run.json: its one error line, exit 1

@@ -26,7 +26,7 @@ import orjson
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.trials.cachefile import cache_path
-from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, LocalRunRecord, parse_progress,
+from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, VolumeRunRecord, parse_progress,
                                    parse_run_file, run_dirs)
 from det_lab.trials.run_state import RunState
 from det_lab.settings import LabSettings
@@ -207,7 +207,7 @@ class ListingCache:
             return hit
         return None
 
-    def read_all(self, runs: list[LocalRunRecord]) -> list[Listed | Unlisted | None]:
+    def read_all(self, runs: list[VolumeRunRecord]) -> list[Listed | Unlisted | None]:
         """Each run as a listing shows it, in order: from the cache when neither of its files
         changed, else read (side by side when there are many: :func:`_read_entries`); None for a
         run deleted since it was found, an :class:`Unlisted` (not raised) for one it cannot read."""
@@ -257,7 +257,7 @@ class RunNotFound(UserError, LookupError):
 
 
 def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True,
-             probe: bool = True) -> list[LocalRunRecord]:
+             probe: bool = True) -> list[VolumeRunRecord]:
     """Every run of ``project`` (default: all projects), by the time of its run.json unless not
     ``ordered``; ``probe``: see :func:`det_lab.trials.record.run_dirs`."""
     layout = VolumeLayout.from_settings(settings)
@@ -266,7 +266,7 @@ def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = 
     return sorted(runs, key=lambda r: r.run_file.stat().st_mtime) if ordered else runs
 
 
-def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
+def find_run(settings: LabSettings, name: str) -> VolumeRunRecord:
     """The run called ``name`` in any project; :class:`RunNotFound` (one line) if there is none."""
     for run in all_runs(settings):
         if run.dir.name == name:
@@ -274,6 +274,6 @@ def find_run(settings: LabSettings, name: str) -> LocalRunRecord:
     raise RunNotFound(f"no run named {name!r} on {settings.data_root} (list them with: det-lab runs list)")
 
 
-def run_owner(run: LocalRunRecord, st: RunState) -> str:
+def run_owner(run: VolumeRunRecord, st: RunState) -> str:
     """Who made the run: run.json's user (a Slurm run's submitter), else the owner of its run.json."""
     return st.get("user") or user_name(run.run_file.stat().st_uid, {})
