@@ -310,7 +310,10 @@ def find_config_file(env: Mapping[str, str] | None = None, cwd: Path | None = No
     if explicit:
         path = Path(explicit).expanduser()
         if not path.is_file():
-            raise LabConfigError(f"DET_LAB_CONFIG={explicit}: no such file")
+            hint = (" (in a Determined task: the lab config the master machine publishes on the volume; run "
+                    "'det-lab cluster up' or 'det-lab cluster config --out DIR' there)"
+                    if env.get("DET_TASK_ID") else "")
+            raise LabConfigError(f"DET_LAB_CONFIG={explicit}: no such file{hint}")
         return path
     xdg = Path(env.get("XDG_CONFIG_HOME") or Path.home() / ".config")
     for candidate in ((cwd or Path.cwd()) / LOCAL_CONFIG_NAME, xdg / "det-lab" / "lab.yaml", SYSTEM_CONFIG):

@@ -29,6 +29,29 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 # workers run at once, and two of them creating one SQLite store race in its schema migration.
 _DATA_HOME = tempfile.mkdtemp(prefix="det-lab-tests-data-")
 os.environ["XDG_DATA_HOME"] = _DATA_HOME
+# The same for this user's caches (runs prune, volume usage, data gc) and state: never the host's
+# ~/.cache/det-lab, which a test must not read (a plan cached by an earlier run) nor leave behind.
+for _xdg in ("XDG_CACHE_HOME", "XDG_STATE_HOME"):
+    os.environ[_xdg] = os.path.join(_DATA_HOME, _xdg.lower())
+
+#: the host paths det_lab writes by default (its settings' defaults and this user's XDG places): a
+#: test that writes one depends on, or leaves behind, what another run sees (how README command 2
+#: once failed on a fresh machine: a later test made /var/cache/det-lab, which four tests needed).
+HOST_PATHS = [Path(p) for p in ("/var/cache/det-lab", "/var/lib/det-lab", "/etc/det-lab", "/mnt/data")] + [
+    Path.home() / d / "det-lab" for d in (".cache", ".config", ".local/share", ".local/state")]
+
+
+def _host_state() -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for path in HOST_PATHS:
+        try:
+            out[str(path)] = path.stat().st_mtime
+        except OSError:
+            out[str(path)] = None
+    return out
+
+
+_HOST_STATE = _host_state()
 
 # Test files that must not run beside each other: each Slurm module talks to a one-node cluster of
 # its own, and two slurmd on one machine share its cgroup tree.
@@ -83,6 +106,17 @@ def pytest_xdist_make_scheduler(config, log):
             return _SERIAL_FILES.get(Path(file).name, file)
 
     return FileScheduling(config, log)
+
+
+@pytest.fixture(autouse=True)
+def _no_host_paths_written():
+    """Fails the test that made or changed one of :data:`HOST_PATHS` (see there)."""
+    yield
+    now = _host_state()
+    changed = [p for p, mtime in now.items() if mtime != _HOST_STATE[p]]
+    if changed:
+        _HOST_STATE.update(now)  # name this test only, not every later one
+        pytest.fail(f"this test wrote host paths outside its temporary directories: {', '.join(changed)}")
 
 
 def pytest_unconfigure(config) -> None:

@@ -34,7 +34,8 @@ def test_agent_up_refuses_a_missing_bind_source_before_starting_anything(lab, tm
     assets = tmp_path / "isaac-assets"
     conf = tmp_path / "elsewhere.yaml"
     conf.write_text(yaml.safe_dump({"master_host": "127.0.0.1", "master_port": master_info, "agent": {"gpu": False},
-                                    "bind_mounts": [{"host_path": str(assets)}]}))
+                                    "bind_mounts": [{"host_path": str(assets)}],
+                                    "tasks": {"local_cache": str(tmp_path / "agent-cache")}}))
     settings = load_settings(lab.config, env={})
     cluster = load_cluster_settings(settings, conf)
     dep = import_deploy()

@@ -239,7 +239,8 @@ def master_info():
 def test_up_runs_determined_deploy_code_without_leaking_the_password(lab, tmp_path, monkeypatch, capsys, master_info):
     init(lab)
     (lab.root / ".det-lab" / "cluster.yaml").write_text(yaml.safe_dump(
-        {"master_host": "127.0.0.1", "master_port": master_info, "agent": {"gpu": False}}))
+        {"master_host": "127.0.0.1", "master_port": master_info, "agent": {"gpu": False},
+         "tasks": {"local_cache": str(tmp_path / "agent-cache")}}))  # not the host's /var/cache/det-lab
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     monkeypatch.setattr("tempfile.tempdir", str(scratch))  # where master_up would drop its temp config
@@ -318,6 +319,7 @@ def test_pinned_fork_images_reach_the_containers_det_deploy_local_runs(lab, tmp_
     init(lab)
     (lab.root / ".det-lab" / "cluster.yaml").write_text(yaml.safe_dump({
         "master_host": "127.0.0.1", "master_port": master_info, "agent": {"gpu": False},
+        "tasks": {"local_cache": str(tmp_path / "agent-cache")},
         "images": {"repo_prefix": "ghcr.io/wu-cvgl", "version": "0.42.0",
                    "master_digest": MASTER_DIGEST, "agent_digest": AGENT_DIGEST}}))
     dep = import_deploy()

@@ -170,7 +170,12 @@ class Lab:
         return load_settings(self.config, env={})
 
     def master(self, **cluster) -> dict:
-        return render_master(self.settings, ClusterSettings(**cluster))
+        """The master config det_lab renders, with this agent's task cache under the lab's temporary
+        directory (made as 'cluster agent-up' makes it), never the host's /var/cache/det-lab."""
+        tasks = {"local_cache": str(self.base / "agent-cache"), **cluster.pop("tasks", {})}
+        settings = ClusterSettings(tasks=tasks, **cluster)
+        prepare_local_cache(self.settings, settings)
+        return render_master(self.settings, settings)
 
     def linked(self, user) -> LinkedUser:
         return LinkedUser(user.name, user.uid, user.gid, [self.gid])

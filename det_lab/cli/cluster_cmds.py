@@ -93,7 +93,7 @@ def config(
     """Render and validate master.yaml and agent.yaml (no secrets in them)."""
     import yaml
 
-    from det_lab.cluster.render import render_agent, render_master
+    from det_lab.cluster.render import publish_task_config, render_agent, render_master
     from det_lab.cluster.schema import agent_errors, master_errors
 
     if out is not None:
@@ -125,6 +125,12 @@ def config(
         fail(f"cannot write to {out}: {exc.strerror or exc}")
     console.print(f"wrote {', '.join(docs)} to {out} (security.initial_user_password is added "
                   "only to the private copy 'cluster up' writes)", highlight=False, soft_wrap=True)
+    # a master deployed from these files gives every task DET_LAB_CONFIG: the file it names must exist
+    if lab.data_root.is_dir():
+        console.print(f"tasks read the lab config {publish_task_config(lab)}", highlight=False, soft_wrap=True)
+    else:
+        err_console.print(f"warning: {lab.data_root} is not mounted here: run this again where it is, or tasks "
+                          "started from these files find no lab config", highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -187,6 +193,7 @@ def agent_up(
 ) -> None:
     """Start an agent on this GPU machine that joins MASTER."""
     from det_lab.cluster import deploy, plan
+    from det_lab.cluster.render import task_config_problem
     from det_lab.cluster.secrets import private_dir
 
     lab, cluster = _load(ctx, master)
@@ -198,6 +205,10 @@ def agent_up(
         return
     path = _deploying(lambda: deploy.agent_up(lab, cluster, private, agent_id, pool))
     console.print(f"agent {agent_id} started with {path}; it joins {cluster.master_url}", highlight=False)
+    stale = task_config_problem(lab)  # left as the master machine wrote it: say so, change nothing
+    if stale:
+        err_console.print(f"warning: {stale} (written by the master machine; this machine's config is not used "
+                          "by tasks: run 'det-lab cluster up' there to change it)", highlight=False, soft_wrap=True)
 
 
 @app.command()

@@ -35,14 +35,15 @@ def _sources(conf: dict[str, Any], pool: str) -> list[tuple[str, str]]:
     return found
 
 
-def missing_bind_sources(lab: LabSettings, cluster: ClusterSettings,
-                         pool: str | None = None) -> list[tuple[str, str]]:
+def missing_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str | None = None,
+                         *, made_later: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
     """(problem, fix) for each host path that a task of ``pool`` (default: this machine's pool)
-    would bind-mount and that does not exist on this machine; empty when all do."""
+    would bind-mount and that does not exist on this machine; empty when all do. ``made_later``:
+    sources the caller makes itself once it may (agent-up's task cache, after Docker answers)."""
     pool = pool or cluster.pool_of_agent(socket.gethostname()).name
     root = str(lab.data_root)
     listed = {str(m.host_path) for m in cluster.bind_mounts}
-    problems, seen = [], set()
+    problems, seen = [], set(made_later)
     for host, where in _sources(render_master(lab, cluster), pool):
         if host in seen or os.path.exists(host):
             continue
@@ -58,9 +59,10 @@ def missing_bind_sources(lab: LabSettings, cluster: ClusterSettings,
     return problems
 
 
-def check_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str | None = None) -> str | None:
+def check_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str | None = None,
+                       *, made_later: frozenset[str] = frozenset()) -> str | None:
     """The first missing source as one line with its fix (and how many more), or None."""
-    missing = missing_bind_sources(lab, cluster, pool)
+    missing = missing_bind_sources(lab, cluster, pool, made_later=made_later)
     if not missing:
         return None
     more = f" ({len(missing) - 1} more: det-lab doctor lists them)" if len(missing) > 1 else ""

@@ -78,16 +78,20 @@ def preflight(lab: LabSettings) -> list[Check]:
 
 def _require_bind_sources(lab: LabSettings, cluster: ClusterSettings, pool: str) -> None:
     """Refuse to start an agent whose tasks would fail at container creation (a missing bind source).
-    The task cache on local disk is det_lab's to make (every task mounts it)."""
+    The task cache on local disk is det_lab's to make (:func:`_make_task_cache`), once Docker answered."""
+    problem = check_bind_sources(lab, cluster, pool, made_later=frozenset({str(cluster.tasks.local_cache)}))
+    if problem:
+        raise DeployError(problem)
+
+
+def _make_task_cache(lab: LabSettings, cluster: ClusterSettings) -> None:
+    """This agent's task cache, which every task mounts (made only on a machine that can start tasks)."""
     try:
         prepare_local_cache(lab, cluster)
     except OSError as exc:
         raise DeployError(f"cannot prepare tasks.local_cache {cluster.tasks.local_cache} "
                           f"({exc.strerror or exc}): run this as root, or create it writable by the lab's "
                           f"group, or set tasks.local_cache in {cluster.source or 'cluster.yaml'}") from None
-    problem = check_bind_sources(lab, cluster, pool)
-    if problem:
-        raise DeployError(problem)
 
 
 def docker_client(timeout: int = 10) -> Any:
@@ -257,7 +261,9 @@ def up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id: str,
     if failed:
         raise PreflightFailed(failed)
     _require_bind_sources(lab, cluster, cluster.pool_of_agent(agent_id).name)
+    # Docker before anything is made: a machine that cannot start containers gets no task cache either
     client = client if client is not None else docker_client()
+    _make_task_cache(lab, cluster)
     dep = import_deploy()
     _shared_client(dep, client)
     prepared = prepare_up(lab, cluster, private, agent_id, admin_password_file)
@@ -285,13 +291,14 @@ def agent_up(lab: LabSettings, cluster: ClusterSettings, private: Path, agent_id
     if failed:
         raise PreflightFailed(failed)
     _require_bind_sources(lab, cluster, pool or cluster.pool_of_agent(agent_id).name)
-    client = client if client is not None else docker_client()
+    client = client if client is not None else docker_client()  # before anything is made (as in up)
+    _make_task_cache(lab, cluster)
     dep = import_deploy()
     _shared_client(dep, client)
     ensure_private_dir(private)
     pool_name = pool or cluster.pool_of_agent(agent_id).name
     path = write_agent_config(cluster, private, agent_id, pool_name)
-    publish_task_config(lab)
+    publish_task_config(lab, replace=False)  # the master machine's copy wins ('cluster up' refreshes it)
     _start_agent(dep, cluster, path, agent_id, pool_name)
     return path
 

@@ -46,6 +46,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from det_lab.cluster.settings import ClusterSettings, PoolSettings
+from det_lab.errors import UserError
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
 
@@ -81,12 +82,25 @@ def task_config_text(lab: LabSettings) -> str:
             + yaml.safe_dump(data, sort_keys=False))
 
 
-def publish_task_config(lab: LabSettings) -> Path:
-    """Write (or refresh) the task copy of the lab config on the volume; readable by the group."""
+class TaskConfigUnwritable(UserError, PermissionError):
+    """The volume refuses the task copy of the lab config (a root_squash export, a foreign owner)."""
+
+
+def publish_task_config(lab: LabSettings, *, replace: bool = True) -> Path:
+    """Write (or refresh) the task copy of the lab config on the volume; readable by the group.
+
+    ``replace=False`` (an agent machine) writes it only where it is missing: the copy is the master
+    machine's, and an agent whose own lab config differs must not change what every task reads."""
     path = task_config_path(lab)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if task_config_problem(lab):
+    if not task_config_problem(lab) or (not replace and path.exists()):
+        return path
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, task_config_text(lab), mode=0o644)
+    except PermissionError as exc:
+        raise TaskConfigUnwritable(
+            f"cannot write {path} ({exc.strerror or exc}): tasks read the lab config there; on a root_squash "
+            f"volume run this as a member of the lab's group rather than as root") from None
     return path
 
 
