@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -262,32 +263,74 @@ class GsplatUnavailable(RuntimeError):
     """gsplat cannot run here (not installed, no CUDA, or its CUDA build failed)."""
 
 
+def build_tag() -> str:
+    """What a CUDA extension build is tied to: Python, torch and CUDA versions (``py311-torch2.13.0-cu130``).
+
+    torch keys its default build directory by Python and CUDA only when ``TORCH_EXTENSIONS_DIR`` is
+    unset (``torch.utils.cpp_extension._get_build_directory``), and its versioner hashes sources and
+    flags only; a cache shared across images or a torch upgrade needs this key of its own."""
+    cuda = (torch.version.cuda or "cpu").replace(".", "")
+    return f"py{sys.version_info.major}{sys.version_info.minor}-torch{torch.__version__.split('+')[0]}-cu{cuda}"
+
+
+def _shared_subdir(parent: Path, name: str) -> Path:
+    """``parent/name``, shared as ``parent`` is: the lab group's (setgid) or, without a group, like /tmp."""
+    path = parent / name
+    path.mkdir(exist_ok=True)
+    if path.stat().st_uid == os.geteuid():
+        mode = parent.stat().st_mode
+        if mode & 0o1000 and mode & 0o002:
+            path.chmod(0o1777)
+        elif mode & 0o2000:
+            path.chmod(0o2775)
+    return path
+
+
+def _cache_build_dir(base: Path) -> Path:
+    """The build directory under a det_lab cache: one per :func:`build_tag`; in a cache without a lab
+    group (world-writable, sticky) one per user too, since one user's build directory and lock file
+    are not another's to write."""
+    base.mkdir(parents=True, exist_ok=True)
+    path = _shared_subdir(base, build_tag())
+    mode = base.stat().st_mode
+    if mode & 0o1000 and mode & 0o002:
+        path = path / f"uid-{os.geteuid()}"
+        path.mkdir(exist_ok=True)
+    return path
+
+
 def gsplat_extensions_dir() -> Path:
-    """Where gsplat's JIT CUDA build is cached: the first writable of ``$TORCH_EXTENSIONS_DIR``,
-    ``$DET_LAB_LOCAL_CACHE/torch_extensions``, ``/var/cache/det-lab/torch_extensions`` and
-    ``~/.cache/det-lab/torch_extensions``.
+    """Where gsplat's JIT CUDA build is cached: the first writable of ``$TORCH_EXTENSIONS_DIR`` (as
+    the task image sets it, where a build may be baked in), else the build's own directory
+    (:func:`build_tag`) under ``$DET_LAB_LOCAL_CACHE/torch_extensions``,
+    ``/var/cache/det-lab/torch_extensions`` or ``~/.cache/det-lab/torch_extensions``.
 
     Local disk on purpose: builds on an NFS home are slow and contend for gsplat's lock file. On a
     cluster ``$DET_LAB_LOCAL_CACHE`` is the agent's own, mounted into every task (the master config
     det_lab renders), so the build outlives the trial's container. A directory the task's user may
     not write is passed over with a warning: a rebuild costs minutes, a PermissionError the trial."""
     env = os.environ.get("TORCH_EXTENSIONS_DIR")
-    candidates = [Path(env)] if env else []
-    if os.environ.get("DET_LAB_LOCAL_CACHE"):  # a cluster task: the agent's cache, mounted
-        candidates.append(Path(os.environ["DET_LAB_LOCAL_CACHE"]) / "torch_extensions")
-    candidates += [Path("/var/cache/det-lab/torch_extensions"), Path.home() / ".cache" / "det-lab" / "torch_extensions"]
-    for i, path in enumerate(candidates):
+    caches = [Path(os.environ["DET_LAB_LOCAL_CACHE"]) / "torch_extensions"] if os.environ.get("DET_LAB_LOCAL_CACHE") else []
+    caches += [Path("/var/cache/det-lab/torch_extensions"), Path.home() / ".cache" / "det-lab" / "torch_extensions"]
+    if env:
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                if i and env:
-                    logging.getLogger("3dgs").warning(
-                        "TORCH_EXTENSIONS_DIR=%s is not writable here; gsplat builds in %s instead (rebuilt "
-                        "by every trial unless it is on a mounted path)", env, path)
-                return path
+            Path(env).mkdir(parents=True, exist_ok=True)
+            if os.access(env, os.W_OK):
+                return Path(env)
+        except OSError:
+            pass
+    for base in caches:
+        try:
+            path = _cache_build_dir(base)
         except OSError:
             continue
-    return candidates[-1]
+        if os.access(path, os.W_OK):
+            if env:
+                logging.getLogger("3dgs").warning(
+                    "TORCH_EXTENSIONS_DIR=%s is not writable here; gsplat builds in %s instead (rebuilt "
+                    "by every trial unless it is on a mounted path)", env, path)
+            return path
+    return caches[-1] / build_tag()
 
 
 def gsplat_importable() -> bool:
