@@ -16,6 +16,20 @@
 # The wheelhouse install is offline (--no-index): it must hold det_lab and what the image lacks.
 _det_lab_startup_hook() {
   local py="${DET_PYTHON_EXECUTABLE:-python3}" wheels="" candidate
+  # The master copies its own version's harness wheel here and task-setup.sh has just installed it
+  # over the image's (master/pkg/tasks/copy.go:35-75, task-setup.sh:26-27): det_lab's trials patch
+  # and call Determined 0.38's harness, so a task under another master's harness stops here, in one line.
+  for candidate in "${DET_LAB_HARNESS_WHEELS:-/opt/determined/wheels}"/determined-*.whl; do
+    case "${candidate##*/}" in
+      "determined-*.whl"|determined-0.38.*) ;;
+      *) if [ -z "${DET_LAB_UNTESTED_HARNESS:-}" ]; then
+           echo "startup-hook.sh: this master runs tasks under Determined's harness ${candidate##*/};" \
+                "det_lab supports the 0.38 harness only (docs/admin/fork.md): run a 0.38.1 master, or set" \
+                "DET_LAB_UNTESTED_HARNESS=1 in environment_variables to try it anyway" >&2
+           return 1
+         fi ;;
+    esac
+  done
   if "$py" -c "import det_lab" 2>/dev/null; then
     return 0
   fi
