@@ -61,6 +61,23 @@ def standin_command(hp: dict[str, Any], restore: Restore | None, remaining: int)
     return ChildCommand(argv, metrics=metrics, description="CPU stand-in (det_lab.rl.standin: rsl_rl PPO, point mass)")
 
 
+#: where a Slurm job's Apptainer image has the node's Isaac cache bound (det_lab.slurm.images)
+SLURM_ISAAC_CACHE = Path("/det-lab-cache")
+
+
+def isaac_cache_root(configured: str | None, env: dict[str, str] | None = None) -> Path | None:
+    """Where the Kit caches' slots live: ``configured`` (``isaac_cache.root``) if set, else, in a
+    Determined task, ``$DET_LAB_LOCAL_CACHE/isaac`` (the agent's task cache det_lab mounts into every
+    task; 'cluster agent-up' makes it under whatever ``tasks.local_cache`` is), else the Slurm image's
+    ``/det-lab-cache`` where it is bound; None (no cache kept) off both."""
+    env = dict(os.environ) if env is None else env
+    if configured:
+        return Path(configured) if Path(configured).is_dir() else None
+    if env.get("DET_LAB_LOCAL_CACHE"):
+        return Path(env["DET_LAB_LOCAL_CACHE"]) / "isaac"
+    return SLURM_ISAAC_CACHE if SLURM_ISAAC_CACHE.is_dir() else None
+
+
 def acquire_cache_slot(root: Path, slots: int = 8) -> Path:
     """The first cache slot ``root/slot-<n>`` no other job on this host holds (an exclusive flock).
 

@@ -126,9 +126,15 @@ def apptainer_prefix(sif: Path, lab: LabSettings, cwd: Path, exp_conf: dict[str,
                      extra_binds: list[Path]) -> list[str]:
     """``apptainer exec --nv ...`` with the volume, the template, the config's mounts and variables."""
     binds = [f"{lab.data_root}:{lab.data_root}", f"{cwd}:{cwd}", *(f"{p}:{p}" for p in extra_binds)]
+    targets = set()
     for m in exp_conf.get("bind_mounts") or []:
+        targets.add(m.get("container_path") or m["host_path"])
         spec = f"{m['host_path']}:{m.get('container_path') or m['host_path']}"
         binds.append(spec + (":ro" if m.get("read_only") else ""))
+    # an Isaac trial keeps Kit's caches in the node's local cache (train.py: det_lab.rl.commands.isaac_cache_root)
+    if "isaac_cache" in (exp_conf.get("hyperparameters") or {}) and "/det-lab-cache" not in targets \
+            and Path(ISAAC_CACHE).is_dir():
+        binds.append(f"{ISAAC_CACHE}:/det-lab-cache")
     argv = ["apptainer", "exec", "--nv", "--writable-tmpfs", "--pwd", str(cwd), "--bind", ",".join(dict.fromkeys(binds))]
     for e in config_env(exp_conf):
         argv += ["--env", e]

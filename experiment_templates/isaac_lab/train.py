@@ -9,7 +9,6 @@ and says so, unless ``require_isaaclab`` is true.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from det_lab.rl import commands
 from det_lab.rl.supervisor import supervise
@@ -27,8 +26,9 @@ def make_build(ctx):
               "(rsl_rl PPO on a point-mass task) instead of " + str(hp.get("task")), flush=True)
         return lambda restore, remaining: commands.standin_command(hp, restore, remaining)
     cache = hp.get("isaac_cache") or {}
-    if cache.get("root") and Path(cache["root"]).is_dir():
-        slot = commands.acquire_cache_slot(Path(cache["root"]), int(cache.get("slots", 8)))
+    cache_root = commands.isaac_cache_root(cache.get("root"))
+    if cache_root is not None:
+        slot = commands.acquire_cache_slot(cache_root, int(cache.get("slots", 8)))
         for line in commands.link_caches(slot):
             print(f"[isaac template] cache {line}", flush=True)
     print(f"[isaac template] Isaac Lab found at {root}: training {hp['task']}", flush=True)
