@@ -128,6 +128,11 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
     "DET_LAB_LOCAL_CACHE": EnvVar(_path, "set in cluster tasks: the agent's local-disk cache mounted into every "
                                   "task (`tasks.local_cache`; gsplat's CUDA build in torch_extensions/)"),
+    "DET_LAB_UNTESTED_HARNESS": EnvVar(_text, "set in an experiment's environment_variables: its tasks go on "
+                                       "under a master whose harness is not Determined 0.38 (the startup hook "
+                                       "stops them otherwise; docs/admin/fork.md)"),
+    "DET_LAB_HARNESS_WHEELS": EnvVar(_path, "where the startup hook looks for the master's harness wheel "
+                                     "(default /opt/determined/wheels, where Determined puts it)"),
     "DET_LAB_NOTEBOOK_OUT": EnvVar(_path, "where notebooks write plots (default ./notebook-out)"),
     "DET_LAB_NOTEBOOK_CONFIG": EnvVar(_path, "experiment config the notebooks submit"),
     "DET_LAB_NOTEBOOK_TRACKER": EnvVar(_choice("mlflow", "aim", "both"), "tracker the notebooks read (both: MLflow)",
