@@ -5,4 +5,5 @@ The package reads top-down: :mod:`det_lab.settings` (the lab config) → :mod:`d
 (the shared data volume) → data → tracking → trials → cluster and templates → :mod:`det_lab.cli`.
 """
 
-__version__ = "0.1.0"
+#: semantic version, raised with each wave's user-visible changes (CHANGELOG.md); the one place it is declared
+__version__ = "0.2.0"

@@ -46,9 +46,20 @@ app = typer.Typer(
 )
 
 
+#: the packages whose versions a bug report needs beside det_lab's (read from their metadata: no import)
+VERSIONED = ("determined", "mlflow", "aim", "dvc", "torch")
+
+
 def _version(value: bool) -> None:
     if value:
+        from importlib.metadata import PackageNotFoundError, version
+
         typer.echo(f"det-lab {__version__}")
+        for name in VERSIONED:
+            try:
+                typer.echo(f"{name} {version(name)}")
+            except PackageNotFoundError:
+                typer.echo(f"{name} not installed")
         raise typer.Exit()
 
 
