@@ -298,7 +298,40 @@ def alerts_page() -> str:
     return "".join(out)
 
 
+def public_api_page() -> str:
+    """What users may build on (det_lab.public): each Python name with its signature, the deprecations."""
+    import importlib
+    import inspect
+
+    from det_lab.public import DEPRECATED, PYTHON
+
+    out = [HEADER, "# The public surface\n\n",
+           "What a lab's trials, notebooks and scripts may rely on: the Python names below, every command and "
+           "option of [the command line](cli.md), the [environment variables](environment.md) and the keys of the "
+           "[lab](lab-config.md), [cluster](cluster-config.md) and [Slurm](slurm-config.md) configs. A change to "
+           "any of them keeps the old spelling working for at least one minor release, with a deprecation "
+           "warning naming the new one and the release that drops it; what changed is in the "
+           "[changelog](../changelog.md). Anything else in det_lab is internal. `tests/test_public_surface.py` "
+           "compares this surface with the one recorded at the last release.\n"]
+    for module, names in PYTHON.items():
+        mod = importlib.import_module(module)
+        out.append(f"\n## `{module}`\n\n| name | signature | what it is |\n|---|---|---|\n")
+        for name in names:
+            obj = getattr(mod, name)
+            try:
+                sig = str(inspect.signature(obj)) if callable(obj) else ""
+            except (TypeError, ValueError):
+                sig = ""
+            doc = (inspect.getdoc(obj) or "").split("\n\n")[0] if callable(obj) else f"a {type(obj).__name__}"
+            out.append(f"| `{name}` | {_cell(f'`{sig}`') if sig else '—'} | {_cell(doc)} |\n")
+    out.append("\n## Deprecated spellings\n\n| old | new | since | goes in |\n|---|---|---|---|\n")
+    for old, dep in DEPRECATED.items():
+        out.append(f"| `{old}` | `{dep.new}` | {dep.since} | {dep.removal} |\n")
+    return "".join(out)
+
+
 PAGES: dict[str, Callable[[], str]] = {
+    "reference/public-api.md": public_api_page,
     "reference/cli.md": cli_page,
     "reference/lab-config.md": lab_config_page,
     "reference/cluster-config.md": cluster_config_page,

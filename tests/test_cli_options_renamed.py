@@ -18,8 +18,8 @@ def test_old_config_spelling_still_names_the_experiment_config_and_says_it_is_de
     old = cli(lab, "run", TEMPLATE, "--local", "--config", str(bad))
     assert new.returncode == old.returncode == 2 and str(bad) in new.stderr
     assert old.stderr.splitlines()[-1] == new.stderr.splitlines()[-1]  # the same refusal of the same file
-    assert old.stderr.splitlines()[0] == ("deprecated: --config is now --exp-config; the old spelling goes in a "
-                                          "later release") and "deprecated" not in new.stderr
+    assert old.stderr.splitlines()[0] == ("deprecated: --config is now --exp-config; the old spelling goes in "
+                                          "det_lab 0.3.0") and "deprecated" not in new.stderr
     assert "--exp-config" in cli(lab, "run", "--help").stdout and "--config" not in cli(lab, "run", "--help").stdout
 
 

@@ -92,7 +92,11 @@ def renamed_option(new_value: T, old_value: T | None, old: str, new: str) -> T:
     on stderr as deprecated: scripts that use it keep working for one release)."""
     if old_value is None:
         return new_value
-    err_console.print(f"[yellow]deprecated:[/] {old} is now {new}; the old spelling goes in a later release",
+    from det_lab.public import DEPRECATED
+
+    removal = next((d.removal for spelling, d in DEPRECATED.items()
+                    if spelling.endswith(f" {old}") and d.new.endswith(f" {new}")), "a later release")
+    err_console.print(f"[yellow]deprecated:[/] {old} is now {new}; the old spelling goes in det_lab {removal}",
                       highlight=False, soft_wrap=True)
     return old_value
 
