@@ -37,7 +37,8 @@ for _xdg in ("XDG_CACHE_HOME", "XDG_STATE_HOME"):
 #: the host paths det_lab writes by default (its settings' defaults and this user's XDG places): a
 #: test that writes one depends on, or leaves behind, what another run sees (how README command 2
 #: once failed on a fresh machine: a later test made /var/cache/det-lab, which four tests needed).
-HOST_PATHS = [Path(p) for p in ("/var/cache/det-lab", "/var/lib/det-lab", "/etc/det-lab", "/mnt/data")] + [
+HOST_PATHS = [Path(p) for p in ("/var/cache/det-lab", "/var/lib/det-lab", "/etc/det-lab", "/mnt/data",
+                                 "/tmp/det-lab-gpus")] + [
     Path.home() / d / "det-lab" for d in (".cache", ".config", ".local/share", ".local/state")]
 
 

@@ -1,28 +1,37 @@
 """A stand-in for a Determined 0.38.1 agent running one trial container, built from Determined's source.
 
-No master, agent or Docker engine runs here. What a trial container gets is reproduced from the
-source of determined-ai/determined at the 0.38.1 release (each step names the file and line it
-follows), with bubblewrap (Debian's ``bubblewrap``) giving the container's fresh view of the machine:
+Two ways in:
+
+- ``run_allocation`` (tests/standin/task_run.py, re-exported here) runs Determined's own launch chain
+  for an ``Allocation`` from a master stand-in: ship-logs.sh, ship_logs.py, entrypoint.sh and
+  task-setup.sh re-transcribed, the harness wheel pip-installed into PYTHONUSERBASE, then
+  ``determined.exec.prep_container`` and ``determined.exec.launch`` against the master. Its module
+  docstring says what it reproduces and where it differs.
+- ``run_trial`` (below, older): no master. The same merges of the master's defaults and the same kind
+  of sandbox, but ``det-lab run --local`` (or ``command``) stands in for ``determined.exec.launch``:
+  ``det.get_cluster_info()`` is None there, the context is copied in rather than downloaded, the
+  harness is the image's, and the image view is the whole host root less ``/home``, ``/root``,
+  ``/mnt``, ``/srv``, ``/media`` (with the lab group as a supplementary group for the volume).
+
+Both use bubblewrap (Debian's ``bubblewrap``) for the container's fresh view of the machine:
 
 - the environment: Determined's ``DET_*`` variables, then the task-container defaults (the master's,
   with the pool's block merged over them as the master merges it), then the experiment's
   ``environment_variables``, then the agent's; nothing from the shell that submitted it;
 - the filesystem: the image's files (this machine's, read-only), a fresh ``/tmp``, ``/run`` and
   ``/dev/shm`` of the configured size, the configured ``bind_mounts`` with their read-only flags,
-  ``shared_fs`` checkpoint storage at ``/determined_shared_fs``, the context extracted into the
-  working directory; the user's home, ``/etc/det-lab`` and everything else on the host hidden;
+  ``shared_fs`` checkpoint storage at ``/determined_shared_fs``, the context in the working
+  directory; the user's home, ``/etc/det-lab`` and everything else on the host hidden;
 - the linked user's uid and gid (the sandbox is started as that Unix user);
 - ``entrypoint.sh``: ``task-setup.sh``, ``set -e``, the startup hook *sourced*, then the launch.
 
-Where it must differ (said in the docs): the trial runs off-cluster inside the sandbox (``det-lab
-run --local`` stands in for ``determined.exec.launch``, which needs a master); the image's root is
-read-only here where Docker's is a fresh writable layer; ``network_mode: bridge`` is an empty
-network namespace (no route out) where Docker's bridge has one; no GPUs, no NVIDIA runtime.
+Where both differ from Docker: the image's root is read-only where Docker's is a fresh writable
+layer; ``network_mode: bridge`` is a network namespace with only a loopback (run_allocation relays
+the master's address into it); no GPUs, no NVIDIA runtime.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shlex
@@ -30,119 +39,24 @@ import shutil
 import subprocess
 import tempfile
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-#: master/pkg/model/task_container_defaults.go:80-84 (UnmarshalJSON): a parsed block starts from these
-BLOCK_DEFAULTS = {"shm_size_bytes": 4294967296, "network_mode": "bridge", "preemption_timeout": 3600}
-#: master/pkg/tasks/task.go:27-31
-WORK_DIR, RUN_DIR, PYTHON_USER_BASE = "/run/determined/workdir", "/run/determined", "/run/determined/pythonuserbase"
-#: master/pkg/schemas/expconf/storage_config.go:17
-SHARED_FS_CONTAINER_PATH = "/determined_shared_fs"
+from tests.standin.task_config import (  # noqa: F401  (re-exported for the tests that import them here)
+    BLOCK_DEFAULTS, PYTHON_USER_BASE, RUN_DIR, SHARED_FS_CONTAINER_PATH, WORK_DIR, Image, LinkedUser, _env_name,
+    _merge_env, env_list, experiment_config, pool_defaults)
+
 #: harness/determined/launch/*: off-cluster there is one process and no launcher (as det_lab.trials.local)
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
 
 
-def _env_name(entry: str) -> str:
-    return entry.split("=", 1)[0]  # task_container_defaults.go:354-357 envVarName
-
-
-def _merge_env(self_: list[str], other: list[str]) -> list[str]:
-    """task_container_defaults.go:337-352 mergeEnvVars: ``other``'s entries, then ``self_``'s not named there."""
-    names = {_env_name(v) for v in other}
-    return list(other) + [v for v in self_ if _env_name(v) not in names]
-
-
-def env_list(value: Any, device: str = "cpu") -> list[str]:
-    """An ``environment_variables`` value (a list, or a map by device type) for ``device``."""
-    if value is None:
-        return []
-    if isinstance(value, dict):
-        return list(value.get(device) or [])
-    return list(value)
-
-
-def pool_defaults(master: dict[str, Any], pool: str) -> dict[str, Any]:
-    """The task-container defaults a task in ``pool`` gets.
-
-    master/internal/rm/agentrm/agent_resource_manager.go:498-524: the master's block, with the pool's
-    ``task_container_defaults`` merged over it when the pool has one. The pool's block is parsed with
-    defaults filled in (task_container_defaults.go:80-89), so its shm size, network mode and preemption
-    timeout win over the master's whether the pool set them or not (Merge, :183-335).
-    """
-    res = {**BLOCK_DEFAULTS, **copy.deepcopy(master.get("task_container_defaults") or {})}
-    block = next((p.get("task_container_defaults") for p in master.get("resource_pools") or []
-                  if p.get("pool_name") == pool), None)
-    if block is None:
-        return res
-    other = {**BLOCK_DEFAULTS, **block}
-    for key in ("shm_size_bytes", "network_mode", "preemption_timeout", "dtrain_network_interface",
-                "nccl_port_range", "gloo_port_range"):
-        if other.get(key):
-            res[key] = other[key]
-    if other.get("image") is not None:
-        res["image"] = other["image"]
-    if other.get("environment_variables") is not None:
-        if res.get("environment_variables") is None:
-            res["environment_variables"] = other["environment_variables"]
-        else:  # by device type (:303-311)
-            res["environment_variables"] = {
-                d: _merge_env(env_list(res["environment_variables"], d), env_list(other["environment_variables"], d))
-                for d in ("cpu", "cuda", "rocm")}
-    return res  # bind_mounts are not merged from a pool's block: Merge leaves them as the master's
-
-
-def experiment_config(master: dict[str, Any], pool: str, expconf: dict[str, Any]) -> dict[str, Any]:
-    """The experiment config as the master runs it: the defaults merged in.
-
-    task_container_defaults.go:114-177 MergeIntoExpConfig: environment variables appended (defaults
-    first, experiment last, so the experiment's win: expconf/environment_config.go:160-175); bind mounts
-    the experiment's, then the defaults' at container paths not taken (expconf/experiment_config.go:247-262);
-    core_experiment.go:344-350: checkpoint storage the experiment's, its unset keys from the master's.
-    """
-    tcd = pool_defaults(master, pool)
-    conf = copy.deepcopy(expconf)
-    env = conf.setdefault("environment", {})
-    env["environment_variables"] = (env_list(tcd.get("environment_variables"))
-                                    + env_list(env.get("environment_variables")))
-    mounts = list(conf.get("bind_mounts") or [])
-    taken = {m["container_path"] for m in mounts}
-    mounts += [m for m in tcd.get("bind_mounts") or [] if m["container_path"] not in taken]
-    conf["bind_mounts"] = mounts
-    storage = dict(master.get("checkpoint_storage") or {})
-    if (conf.get("checkpoint_storage") or {}).get("type", storage.get("type")) == storage.get("type"):
-        storage.update(conf.get("checkpoint_storage") or {})
-        conf["checkpoint_storage"] = storage
-    conf.setdefault("resources", {})
-    conf["_task_container_defaults"] = tcd
-    return conf
-
-
-@dataclass
-class LinkedUser:
-    """The Unix user a Determined user is linked to (agent user group): the task runs as its uid:gid."""
-
-    name: str
-    uid: int
-    gid: int
-    groups: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Image:
-    """What the task image holds: the directory whose ``python3`` is the image's, and its ENV."""
-
-    bin_dir: Path
-    env: dict[str, str] = field(default_factory=dict)
-    dirs: list[Path] = field(default_factory=list)
-
-
 def task_environment(conf: dict[str, Any], user: LinkedUser, trial_id: int) -> dict[str, str]:
-    """The container's environment, in Determined's order (a later entry of a name wins, as in Docker).
+    """The container's environment, in Determined's order (a later entry of a name wins: Docker keeps
+    both, and ship-logs.sh, the container's first process, is bash).
 
     master/pkg/tasks/task.go:194-245 (EnvVars: PYTHONUSERBASE and the DET_* task variables),
-    task_trial.go:101-125 (the trial's), task.go:260 (ToDockerSpec appends the experiment's variables),
+    task_trial.go:114-134 (the trial's), task.go:272 (ToDockerSpec appends the experiment's variables),
     agent/internal/containers/spec.go:28-33 (then the agent's global variables).
     """
     task_id = f"{trial_id}.{uuid.uuid4()}"
@@ -241,7 +155,7 @@ def _sandbox_args(conf: dict[str, Any], image: Image, run_dir: Path, shm_bytes: 
         mounts.append((storage["host_path"], SHARED_FS_CONTAINER_PATH, False))
     # Docker mounts a parent before what lies below it (daemon/volumes.go sortMounts)
     for host, target, ro in sorted(mounts, key=lambda m: Path(m[1]).parts):
-        if not os.path.exists(host):  # Docker refuses a missing source (master/pkg/tasks/mounts.go:12-30)
+        if not os.path.exists(host):  # Docker refuses a missing bind source
             raise FileNotFoundError(f"bind mount source {host} does not exist on this agent")
         args += ["--ro-bind" if ro else "--bind", host, target]
     return args + ["--chdir", WORK_DIR]
@@ -258,7 +172,7 @@ def run_trial(master: dict[str, Any], expconf: dict[str, Any], context: Path, *,
     shm = int((conf.get("resources") or {}).get("shm_size") or tcd["shm_size_bytes"])  # task_trial.go:141-143
     env = {"PATH": f"{image.bin_dir}:/usr/local/bin:/usr/bin:/bin", **image.env,
            **task_environment(conf, user, trial_id)}
-    # the linked user's passwd entry has the working directory as its home (task.go:385-391)
+    # the linked user's passwd entry has the working directory as its home (task.go:389-392)
     env.setdefault("HOME", WORK_DIR)
     run_dir = Path(tempfile.mkdtemp(prefix="det-task-"))
     try:
@@ -271,7 +185,7 @@ def run_trial(master: dict[str, Any], expconf: dict[str, Any], context: Path, *,
         (info / "experiment.json").write_text(json.dumps(saved))
         (run_dir / "entrypoint.sh").write_text(ENTRYPOINT)
         for p in [run_dir, *run_dir.rglob("*")]:
-            os.lchown(p, user.uid, user.gid)  # the run archives are the task user's (task.go:385-404)
+            os.lchown(p, user.uid, user.gid)  # the run archives are the task user's (task.go:331-344)
         if command is None:
             command = [f"{image.bin_dir}/det-lab", "run", WORK_DIR, "--local",
                        "--config", f"{RUN_DIR}/info/experiment.json"]
@@ -290,3 +204,6 @@ def off_cluster_entrypoint(entrypoint: str | list[str]) -> str:
     if len(argv) >= 3 and argv[1] == "-m" and argv[2] in LAUNCHERS:
         argv = argv[3:]
     return shlex.join(argv)
+
+
+from tests.standin.task_run import DETERMINED_VERSION, run_allocation  # noqa: E402,F401  (the new entry point)
