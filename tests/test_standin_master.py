@@ -1,0 +1,380 @@
+"""The master and agent stand-ins (tests/standin/master*.py, agent.py) driven by Determined 0.38.1's own
+client code: the ``det`` CLI as a subprocess and the SDK, with a Core API trial run through Determined's
+prep_container, launch and harness against the stand-in (the agent's HostRunner). Each test names the
+Determined source (determined-ai/determined v0.38.1, ``path:line``) whose behaviour it checks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import pytest
+import yaml
+
+from tests.standin.agent import Agent, HostRunner
+from tests.standin.master import Master
+
+REPO = Path(__file__).resolve().parents[1]
+DET = Path(sys.executable).parent / "det"
+
+pytestmark = pytest.mark.skipif(not shutil.which("bwrap") or not DET.exists(),
+                                reason="needs bubblewrap (Debian's bubblewrap) and Determined's det CLI")
+
+TRAIN = r'''
+import json, pathlib, time
+import determined as det
+
+def main(core):
+    info = det.get_cluster_info()
+    hp = info.trial.hparams
+    steps, start = int(hp["steps"]), 0
+    if info.latest_checkpoint:
+        with core.checkpoint.restore_path(info.latest_checkpoint) as path:
+            start = json.loads((pathlib.Path(path) / "state.json").read_text())["step"]
+    print(f"TRAIN start={start} lr={hp['lr']} run={info.trial._trial_run_id}", flush=True)
+    for step in range(start + 1, steps + 1):
+        time.sleep(float(hp.get("sleep", 0)))
+        core.train.report_training_metrics(steps_completed=step, metrics={"loss": 1.0 / step})
+        core.train.report_validation_metrics(steps_completed=step,
+                                             metrics={"val_loss": float(hp["lr"]) / step, "batches": step})
+        core.train.report_progress(step / steps)
+        with core.checkpoint.store_path({"steps_completed": step}) as (path, _):
+            (path / "state.json").write_text(json.dumps({"step": step}))
+        if core.preempt.should_preempt():
+            print(f"PREEMPTED step={step}", flush=True)
+            return
+    print(f"DONE step={steps}", flush=True)
+
+if __name__ == "__main__":
+    with det.core.init(tensorboard_mode=det.core.TensorboardMode.MANUAL) as core:
+        main(core)
+'''
+
+
+# --- a searcher until tests/standin/searcher.py exists (that module's interface) -----------------
+
+@dataclass
+class Create:
+    request_id: str
+    hparams: dict[str, Any]
+    trial_seed: int
+
+
+@dataclass
+class Stop:
+    request_id: str
+
+
+@dataclass
+class Shutdown:
+    failure: bool = False
+
+
+@dataclass
+class _FallbackSearcher:
+    """single, and adaptive_asha as one stopping-based ASHA bracket (searcher/asha_stopping.go): a
+    trial whose metric at a rung is not in the top 1/divisor there is stopped."""
+
+    config: dict[str, Any]
+    seed: int
+    created: list[str] = field(default_factory=list)
+    exited: set[str] = field(default_factory=set)
+    rungs: dict[int, list[float]] = field(default_factory=dict)
+
+    def _hparams(self, n: int) -> dict[str, Any]:
+        out = {}
+        for name, hp in self.config["hyperparameters"].items():
+            out[name] = hp["val"] if hp["type"] == "const" else hp["vals"][n % len(hp["vals"])]
+        return out
+
+    def start(self) -> list[Any]:
+        s = self.config["searcher"]
+        n = int(s.get("max_trials") or 1)
+        concurrent = int(s.get("max_concurrent_trials") or n) or n
+        self.total = n
+        return [self._create() for _ in range(min(n, concurrent))]
+
+    def _create(self) -> Create:
+        rid = str(uuid.uuid4())
+        self.created.append(rid)
+        return Create(rid, self._hparams(len(self.created) - 1), len(self.created))
+
+    def on_trial_created(self, request_id: str) -> list[Any]:
+        return []
+
+    def on_validation(self, request_id: str, metrics: dict[str, Any]) -> list[Any]:
+        s = self.config["searcher"]
+        if s["name"] != "adaptive_asha":
+            return []
+        t, value, d = int(metrics[s["time_metric"]]), float(metrics[s["metric"]]), int(s.get("divisor") or 4)
+        rung_units = [u for u in (int(s["max_time"]) // d ** k for k in range(3)) if u >= 1]
+        if t not in rung_units or t == int(s["max_time"]):
+            return []
+        values = self.rungs.setdefault(t, [])
+        values.append(value)
+        keep = max(1, len(values) // d)
+        return [] if value in sorted(values)[:keep] else [Stop(request_id)]
+
+    def on_trial_exited(self, request_id: str, early: bool = False) -> list[Any]:
+        self.exited.add(request_id)
+        out: list[Any] = [self._create()] if len(self.created) < self.total else []
+        if len(self.exited) == self.total:
+            out.append(Shutdown())
+        return out
+
+    def progress(self) -> float:
+        return len(self.exited) / max(1, len(self.created))
+
+
+try:
+    from tests.standin.searcher import make_searcher as SEARCHER  # noqa: N812
+except ImportError:
+    SEARCHER = _FallbackSearcher
+
+
+# --- fixtures --------------------------------------------------------------------------------------
+
+class Cluster:
+    """A master and an agent stand-in, a context directory, and ``det`` with its own HOME."""
+
+    def __init__(self, base: Path, *, slots: int = 2, stop_preempts: bool = False) -> None:
+        self.base = base
+        self.storage = base / "checkpoints"
+        self.storage.mkdir()
+        self.master = Master({"checkpoint_storage": {"type": "shared_fs", "host_path": str(self.storage)}},
+                             searcher_factory=SEARCHER, stop_preempts=stop_preempts)
+        self.agent = Agent(self.master, HostRunner(timeout=120), slots=slots)
+        self.context = base / "context"
+        self.context.mkdir()
+        (self.context / "train.py").write_text(TRAIN)
+        (self.context / "ignored.bin").write_text("not sent")
+        (self.context / ".detignore").write_text("*.bin\n")
+        home = base / "home"
+        home.mkdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                    "XDG_CACHE_HOME": str(home / ".cache"), "XDG_DATA_HOME": str(home / ".local/share"),
+                    "DET_USER": "determined", "DET_PASS": "", "DET_MASTER": self.master.url, "LANG": "C.UTF-8"}
+
+    def det(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(DET), "-m", self.master.url, *args], capture_output=True, text=True,
+                              env=self.env, timeout=60)
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    def create(self, config: dict[str, Any]) -> int:
+        path = self.base / f"exp-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(config))
+        out = self.det("experiment", "create", str(path), str(self.context)).stdout
+        return int(out.split("Created experiment ")[1].split()[0])
+
+    def wait(self, predicate: Callable[[], bool], timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        with self.master.state.changed:
+            while not predicate():
+                assert time.monotonic() < deadline, "timed out"
+                self.master.state.changed.wait(0.5)
+
+    def wait_state(self, exp_id: int, *states: str) -> None:
+        self.wait(lambda: self.master.state.experiments[exp_id].state in states)
+
+    def session(self) -> Any:
+        from determined.common.api import authentication
+        return authentication.login(self.master.url, "determined", "", cert=None)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.master.close()
+
+
+def config(**over: Any) -> dict[str, Any]:
+    base = {"name": "standin", "entrypoint": "python3 train.py", "max_restarts": 0,
+            "hyperparameters": {"lr": 0.5, "steps": 3},
+            "searcher": {"name": "single", "metric": "val_loss", "max_length": {"batches": 3}}}
+    return {**base, **over}
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+# --- tests -----------------------------------------------------------------------------------------
+
+def test_det_experiment_create_runs_a_core_api_trial_to_completed(cluster):
+    """cli/experiment.py:165-226 submit_experiment (context packed honouring .detignore:
+    common/context.py), api_experiment.go:1592-1700 CreateExperiment, the trial's task through
+    prep_container and launch (master/static/srv/entrypoint.sh), trial.go:569-709 (exit 0 is a
+    user-requested stop: COMPLETED), experiment.go:555-568 (the searcher shuts down, COMPLETED)."""
+    exp_id = cluster.create(config())
+    cluster.wait_state(exp_id, "COMPLETED", "ERROR", "CANCELED")
+    state = cluster.master.state
+    exp = state.experiments[exp_id]
+    [trial] = [t for t in state.trials.values() if t.experiment is exp]
+    assert (exp.state, trial.state) == ("COMPLETED", "COMPLETED"), [e.stderr[-2000:] for e in cluster.agent.exits]
+    assert cluster.master.unserved == []
+
+    described = cluster.det("experiment", "describe", str(exp_id)).stdout  # cli/experiment.py:317-470
+    assert "COMPLETED" in described and "100.0%" in described
+    trials = cluster.det("experiment", "list-trials", str(exp_id)).stdout
+    assert f"{trial.id} | COMPLETED" in trials and '"lr": 0.5' in trials
+    ckpts = cluster.det("experiment", "list-checkpoints", str(exp_id)).stdout  # cli/checkpoint.py:40-88
+    assert ckpts.count("state.json") == 3 and "0.16666" in ckpts  # val_loss at step 3
+    logs = cluster.det("trial", "logs", str(trial.id)).stdout  # common/api/logs.py:7-11 (ship_logs.py's lines)
+    assert "TRAIN start=0 lr=0.5 run=1" in logs and "DONE step=3" in logs
+
+    from determined.common import api
+    from determined.experimental import client
+    sdk = client.Determined._from_session(cluster.session())
+    sdk_trial = sdk.get_trial(trial.id)
+    validations = list(sdk_trial.iter_metrics("validation"))  # common/experimental/trial.py:599 GetMetrics
+    assert [(m.steps_completed, m.metrics["val_loss"]) for m in validations] == [(1, 0.5), (2, 0.25), (3, 0.5 / 3)]
+    assert [m.steps_completed for m in sdk_trial.iter_metrics("training")] == [1, 2, 3]
+    best = sdk.get_experiment(exp_id).list_checkpoints(
+        sort_by=client.CheckpointSortBy.BATCH_NUMBER, order_by=client.OrderBy.DESC, max_results=1)[0]
+    path = best.download(path=str(cluster.base / "download"))  # checkpoint/_checkpoint.py:196-262 shared_fs
+    assert json.loads((Path(path) / "state.json").read_text()) == {"step": 3}
+    assert json.loads((Path(path) / "metadata.json").read_text())["steps_completed"] == 3
+    tgz = api.bindings.get_GetModelDef(cluster.session(), experimentId=exp_id).b64Tgz  # .detignore honoured
+    import base64
+    import io
+    import tarfile
+    with tarfile.open(fileobj=io.BytesIO(base64.b64decode(tgz))) as tar:
+        assert tar.getnames() == ["train.py"]
+
+
+def test_pause_preempts_and_activate_resumes_from_the_latest_checkpoint(cluster):
+    """experiment.go:499-511 PauseExperiment -> trial.go:750-759 TerminateAllocation -> allocation.go:918-965
+    (ready, so preempted: the long poll of api_trials.go:1283-1299 returns); the acked exit leaves the
+    trial PAUSED (trial.go:700-708); activate reallocates it with DET_LATEST_CHECKPOINT and the steps of
+    that checkpoint (task_trial.go:120-126, trial.go:524-555)."""
+    exp_id = cluster.create(config(hyperparameters={"lr": 0.5, "steps": 40, "sleep": 0.05}))
+    state = cluster.master.state
+    cluster.wait(lambda: any(c.trial_id for c in state.checkpoints.values()))
+    cluster.det("experiment", "pause", str(exp_id))
+    [trial] = [t for t in state.trials.values() if t.experiment.id == exp_id]
+    cluster.wait(lambda: trial.alloc is None)
+    assert (state.experiments[exp_id].state, trial.state) == ("PAUSED", "PAUSED")
+    paused_at = int(state.latest_checkpoint(trial).metadata["steps_completed"])
+    assert 0 < paused_at < 40
+    cluster.det("experiment", "activate", str(exp_id))
+    cluster.wait_state(exp_id, "COMPLETED", "ERROR")
+    assert trial.state == "COMPLETED" and trial.run_id == 2
+    logs = "".join(log["log"] for log in state.logs[trial.task_id])
+    assert f"PREEMPTED step={paused_at}" in logs and f"TRAIN start={paused_at} lr=0.5 run=2" in logs
+    live = [(m.group, m.total_batches) for m in state.metrics if m.trial_id == trial.id and not m.archived]
+    assert sorted(live) == sorted({(g, s) for g in ("training", "validation") for s in range(1, 41)})
+
+
+def _asha(c: Cluster) -> tuple[int, list[Any]]:
+    hps = {"lr": {"type": "categorical", "vals": [1, 8, 2, 6]}, "steps": 4, "sleep": 0.1}
+    if SEARCHER is not _FallbackSearcher:
+        hps["lr"] = {"type": "int", "minval": 1, "maxval": 8}
+    exp_id = c.create(config(hyperparameters=hps, reproducibility={"experiment_seed": 7}, searcher={
+        "name": "adaptive_asha", "metric": "val_loss", "max_trials": 4, "max_concurrent_trials": 4,
+        "time_metric": "batches", "max_time": 4, "divisor": 2, "mode": "aggressive"}))
+    c.wait_state(exp_id, "COMPLETED", "ERROR", "CANCELED")
+    trials = sorted((t for t in c.master.state.trials.values() if t.experiment.id == exp_id), key=lambda t: t.id)
+    return exp_id, trials
+
+
+def _last_step(c: Cluster, trial: Any) -> int:
+    return max(m.total_batches for m in c.master.state.metrics if m.trial_id == trial.id)
+
+
+def test_an_asha_search_queues_on_two_slots_and_a_searcher_stop_does_not_preempt_in_0_38_1(cluster):
+    """experiment.go:673-676 (Stop: EarlyStoppedBySearcher), trial.go:227-248 (STOPPING_COMPLETED) and
+    :760-775: 0.38.1 signals no allocation for STOPPING_COMPLETED (#9605's TerminateAllocation was
+    reverted in 332cefca45), so a stopped trial trains to its own end and is COMPLETED (:591-603)."""
+    exp_id, trials = _asha(cluster)
+    assert cluster.master.state.experiments[exp_id].state == "COMPLETED"
+    assert len(trials) == 4 and all(t.state == "COMPLETED" for t in trials)
+    stopped = [t for t in trials if t.stopped_by_searcher]
+    assert stopped and len(stopped) < 4
+    assert all(_last_step(cluster, t) == 4 for t in trials)
+    starts = sorted(e.allocation_id for e in cluster.agent.exits)
+    assert len(starts) == 4  # four allocations, two at a time (the agent's two slots)
+
+
+def test_with_stop_preempts_the_stopped_trials_exit_early(tmp_path):
+    """The same search on a master that preempts what the searcher stops (trial.go as #9605 had it):
+    the stopped trials see should_preempt() (core/_preempt.py:54-63) and exit before max_time."""
+    c = Cluster(tmp_path, stop_preempts=True)
+    try:
+        exp_id, trials = _asha(c)
+        assert c.master.state.experiments[exp_id].state == "COMPLETED"
+        stopped = [t for t in trials if t.stopped_by_searcher]
+        assert stopped and all(t.state == "COMPLETED" and _last_step(c, t) < 4 for t in stopped)
+        assert all(_last_step(c, t) == 4 for t in trials if not t.stopped_by_searcher)
+    finally:
+        c.close()
+
+
+def test_a_bad_config_is_the_masters_one_line_error_and_registers_nothing(cluster):
+    """core_experiment.go:274-277 (expconf/parse.go:37-41, schemas/schema.go:30-38): a plain error, so
+    grpc-gateway answers Internal (grpcutil/errors.go:44-50); cli/cli.py:267-268 prints it on one line."""
+    bad = cluster.base / "bad.yaml"
+    bad.write_text(yaml.safe_dump(config(searcher={"name": "single", "metric": 3})))
+    proc = cluster.det("experiment", "create", str(bad), str(cluster.context), check=False)
+    assert proc.returncode == 1
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]  # (after the CLI's blank-password warning)
+    assert [line for line in lines if line.startswith("Failed")] == lines[-1:] and lines[-1].startswith(  # the schema's own wording after the path is the validator's
+        "Failed to create experiment: invalid experiment configuration: version 0 experiment config is invalid: "
+        "config is invalid: <config>.searcher.metric: "), proc.stderr
+    assert cluster.master.state.experiments == {}
+    assert "1 |" not in cluster.det("experiment", "list", "--all").stdout  # GetExperiments: none
+
+
+def test_a_fork_with_parent_id_reuses_the_context_and_trains_with_the_changed_hparam(cluster):
+    """webui/react/src/services/apiConfig.ts:673-696 createExperiment {activate, config, parentId,
+    projectId}; core_experiment.go:382-390: the parent's model definition is reused."""
+    from determined.common.api import bindings
+    parent = cluster.create(config())
+    cluster.wait_state(parent, "COMPLETED")
+    sess = cluster.session()
+    original = yaml.safe_load(bindings.get_GetExperiment(sess, experimentId=parent).experiment.originalConfig)
+    original["hyperparameters"]["lr"] = 0.25
+    resp = bindings.post_CreateExperiment(sess, body=bindings.v1CreateExperimentRequest(
+        activate=True, config=yaml.safe_dump(original), parentId=parent, projectId=1))
+    child = resp.experiment.id
+    assert resp.experiment.forkedFrom == parent
+    cluster.wait_state(child, "COMPLETED", "ERROR")
+    [trial] = [t for t in cluster.master.state.trials.values() if t.experiment.id == child]
+    assert trial.state == "COMPLETED" and trial.hparams["lr"] == 0.25
+    assert cluster.master.state.experiments[child].model_def == cluster.master.state.experiments[parent].model_def
+    assert "TRAIN start=0 lr=0.25 run=1" in cluster.det("trial", "logs", str(trial.id)).stdout
+
+
+def test_python_m_tests_standin_prints_det_master_and_stops_cleanly_on_sigterm(tmp_path):
+    """tests/standin/__main__.py: the DET_MASTER line once /info answers (cli/version.py:16-30), then
+    nothing left running after SIGTERM."""
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "tests.standin", "--root", str(tmp_path / "root")], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline().strip()
+        assert line.startswith("DET_MASTER=http://127.0.0.1:"), proc.stderr.read() if proc.poll() is not None else line
+        import urllib.request
+        with urllib.request.urlopen(line.split("=", 1)[1] + "/info", timeout=10) as reply:
+            assert json.loads(reply.read())["version"] == "0.38.1"
+        children = psutil.Process(proc.pid).children(recursive=True)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not [c for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
