@@ -92,10 +92,15 @@ class _FallbackSearcher:
     exited: set[str] = field(default_factory=set)
     rungs: dict[int, list[float]] = field(default_factory=dict)
 
-    def _hparams(self, n: int) -> dict[str, Any]:
-        out = {}
-        for name, hp in self.config["hyperparameters"].items():
-            out[name] = hp["val"] if hp["type"] == "const" else hp["vals"][n % len(hp["vals"])]
+    def _hparams(self, n: int, space: dict[str, Any] | None = None) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name, hp in (self.config["hyperparameters"] if space is None else space).items():
+            if not isinstance(hp, dict):  # a shorthand const
+                out[name] = hp
+            elif "type" not in hp:  # nested (searcher/hyperparameters.go flattens and rebuilds them)
+                out[name] = self._hparams(n, hp)
+            else:
+                out[name] = hp["val"] if hp["type"] == "const" else hp["vals"][n % len(hp["vals"])]
         return out
 
     def start(self) -> list[Any]:

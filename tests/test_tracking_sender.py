@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -234,12 +235,28 @@ def test_serve_refuses_a_bad_or_busy_port_at_once(lab, port, message):
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def _status_for_host(port: int, host: str) -> int:
+    """The HTTP status of an API call to 127.0.0.1:port as a client that names the server ``host``."""
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/api/2.0/mlflow/experiments/search?max_results=1",
+                                     headers={"Host": host})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return reply.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, monkeypatch, stop):
     from det_lab.tracking.mlflow_backend import MlflowBackend
     from det_lab.tracking.mlflow_server import free_port
 
     env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
+    # the name the lab's cluster tasks reach it by (det_lab/cluster/render.py tracking_problems asks for one)
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": "http://gpu-box-1:5000"})
     with monkeypatch.context() as patch:
         patch.setenv("XDG_DATA_HOME", env["XDG_DATA_HOME"])  # where a local run (no tracking URI) writes
         backend = MlflowBackend()
@@ -259,6 +276,10 @@ def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, 
                 if serve.poll() is not None or time.monotonic() > deadline:
                     raise
                 time.sleep(0.2)
+        # MLflow 3 answers only Host headers it allows: the configured name and this machine's, not others
+        assert _status_for_host(port, "gpu-box-1:5000") == 200
+        assert _status_for_host(port, f"{socket.gethostname()}:{port}") == 200
+        assert _status_for_host(port, "elsewhere.example:5000") == 403
         serve.send_signal(stop)  # conftest leaves SIGINT at its default in children, as in a terminal
         out, err = serve.communicate(timeout=30)
         assert serve.returncode == 0 and err == "" and "Ctrl-C stops it" in out, out + err

@@ -65,9 +65,13 @@ def serve(
     port: int = typer.Option(5000, help="TCP port to listen on (1-65535)."),
     store: Path | None = typer.Option(None, help="Local-disk directory for a SQLite store (never on NFS); "
                                       "default: the store local runs write to."),
+    allowed_host: list[str] = typer.Option([], "--allowed-host", help="Another name clients reach this server "
+                                           "by (besides this machine's names and tracking.mlflow_uri's host)."),
 ) -> None:
     """Run an MLflow tracking server over the store local runs write to; artifacts on the volume."""
     import signal
+    import socket
+    from urllib.parse import urlsplit
 
     from det_lab.tracking.mlflow_server import MlflowServer, MlflowServerError, port_in_use
     from det_lab.tracking.targets import default_local_uri, default_mlflow_store
@@ -85,7 +89,10 @@ def serve(
     else:
         root, store_uri = default_mlflow_store(), default_local_uri()
     artifacts = settings.data_root / "outputs" / "mlflow-artifacts"
-    server = MlflowServer(root, port, host=host, artifacts=artifacts, store_uri=store_uri)
+    # the names tasks and members use for it: MLflow 3 refuses other Host headers than localhost and IPs
+    named = urlsplit(configured).hostname if configured and "://" in configured else None
+    names = [n for n in (named, socket.gethostname(), socket.getfqdn(), *allowed_host) if n]
+    server = MlflowServer(root, port, host=host, artifacts=artifacts, store_uri=store_uri, allowed_hosts=names)
     shown = store_uri or f"sqlite:///{root / 'mlflow.db'}"
     console.print(f"MLflow at {server.uri}, store {shown}, artifacts {artifacts}; Ctrl-C stops it", highlight=False)
 

@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from det_lab.errors import UserError
@@ -48,6 +48,10 @@ class MlflowServer:
     host: str = "127.0.0.1"
     artifacts: Path | None = None
     store_uri: str | None = None  # default: SQLite in root/mlflow.db
+    #: the names clients reach it by (cluster tasks: the host of tracking.mlflow_uri). MLflow 3 refuses any
+    #: other Host header than localhost and private IP addresses ("Invalid Host header - possible DNS
+    #: rebinding attack detected"), so a task that names the server by host name loses its metrics.
+    allowed_hosts: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
 
     @property
@@ -56,9 +60,15 @@ class MlflowServer:
 
     def command(self) -> list[str]:
         exe = shutil.which("mlflow", path=str(Path(sys.executable).parent)) or "mlflow"
-        return [exe, "server", "--host", self.host, "--port", str(self.port), "--workers", "1",
+        argv = [exe, "server", "--host", self.host, "--port", str(self.port), "--workers", "1",
                 "--backend-store-uri", self.store_uri or f"sqlite:///{self.root / 'mlflow.db'}",
                 "--artifacts-destination", str(self.artifacts or self.root / "artifacts")]
+        if self.allowed_hosts:
+            from mlflow.server.security_utils import get_default_allowed_hosts
+
+            names = [n for host in dict.fromkeys(self.allowed_hosts) for n in (host, f"{host}:*")]
+            argv += ["--allowed-hosts", ",".join(get_default_allowed_hosts() + names)]  # MLflow's own, and ours
+        return argv
 
     def start(self, timeout: float = 180.0) -> MlflowServer:
         self.root.mkdir(parents=True, exist_ok=True)

@@ -160,7 +160,8 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
                    timeout: float = 600, pool: str = "default", agent: dict[str, Any] | None = None,
                    master_addr: tuple[str, int] | None = None, cluster_id: str = "det-lab-standin",
                    master_id: str = "det-lab-standin-master", emit_logs: bool = True,
-                   kill: threading.Event | None = None) -> TaskExit:
+                   kill: threading.Event | None = None,
+                   services: dict[str, tuple[str, int]] | None = None) -> TaskExit:
     """Run ``alloc``'s trial container to its end, as a Determined 0.38.1 agent would.
 
     ``master``: the master.yaml dict (task-container defaults of ``pool``, unless ``alloc`` carries
@@ -168,7 +169,9 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
     ``agent``: the agent.yaml dict (``master_host``/``master_port``, ``container_master_host``/``_port``,
     ``agent_id``; by default ``det-master`` at ``master_addr``'s port). ``master_addr``: where the master
     stand-in listens on this machine (default: ``alloc.master_url``'s host and port). ``kill``: set it to
-    kill the container (SIGKILL, exit 137). Exit code 124 when ``timeout`` passes.
+    kill the container (SIGKILL, exit 137). Exit code 124 when ``timeout`` passes. ``services``: other
+    machines of the lab the task reaches by name (a tracking server): name -> this machine's address,
+    relayed as the master is, at the same port.
     """
     wheels = sorted(Path(wheel_dir).glob(f"*{DETERMINED_VERSION}*.whl")) if Path(wheel_dir).is_dir() else []
     if not wheels:  # the container is not started: nothing reaches the master or the agent's disk
@@ -191,7 +194,7 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
     shm = int((alloc.config.get("resources") or {}).get("shm_size") or tcd["shm_size_bytes"])  # task_trial.go:142-144
 
     root = Path(tempfile.mkdtemp(prefix="det-task-"))
-    relay = None
+    relays: list[_MasterRelay] = []
     try:
         root.chmod(0o755)
         run, standin, wheels_copy = root / "run", root / "standin", root / "wheels"
@@ -213,8 +216,13 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
             if _is_ip(master_host):  # only a name can be pointed at the relay
                 raise ValueError(f"stand-in: cannot give the task the address {master_host} (name the master)")
             hosts += f"{RELAY_IP}\t{master_host}\n"
-            relay = _MasterRelay(standin / "master.sock", master_addr)
+            relays.append(_MasterRelay(standin / "master.sock", master_addr))
             fwd = ["--listen", f"{RELAY_IP}:{master_port}", "--unix", f"{STANDIN_DIR}/master.sock"]
+        for i, (name, addr) in enumerate(sorted((services or {}).items())):
+            ip = f"127.0.79.{i + 2}"
+            hosts += f"{ip}\t{name}\n"
+            relays.append(_MasterRelay(standin / f"service-{i}.sock", addr))
+            fwd += ["--listen", f"{ip}:{addr[1]}", "--unix", f"{STANDIN_DIR}/service-{i}.sock"]
         _write(standin / "hosts", hosts, 0o644)
 
         args = ["bwrap", "--die-with-parent", "--unshare-user", "--unshare-ipc", "--unshare-pid", "--unshare-uts",
@@ -253,6 +261,6 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
         code = code if code is not None else (128 - proc.returncode if proc.returncode < 0 else proc.returncode)
         return TaskExit(alloc.allocation_id, code, out, err)
     finally:
-        if relay is not None:
+        for relay in relays:
             relay.close()
         shutil.rmtree(root, ignore_errors=True)  # AutoRemove (agent/internal/containers/spec.go:35)

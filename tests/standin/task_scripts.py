@@ -284,9 +284,11 @@ def serve(srv, path):
 
 args = sys.argv[1:]
 cmd = args[args.index("--") + 1:]
-opts = dict(zip(args[:args.index("--")][::2], args[:args.index("--")][1::2]))
-if "--listen" in opts:
-    host, port = opts["--listen"].rsplit(":", 1)
+pairs = list(zip(args[:args.index("--")][::2], args[:args.index("--")][1::2]))
+listens = [v for k, v in pairs if k == "--listen"]
+unixes = [v for k, v in pairs if k == "--unix"]
+for listen, unix in zip(listens, unixes):  # one relay per address: the master's, then the services'
+    host, port = listen.rsplit(":", 1)
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((host, int(port)))
@@ -296,7 +298,7 @@ if "--listen" in opts:
         null = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(null, fd)
-        serve(srv, opts["--unix"])
+        serve(srv, unix)
         os._exit(0)
     srv.close()
 os.execv(cmd[0], cmd)

@@ -1,0 +1,195 @@
+"""det_lab's templates on the Determined path, end to end: submitted with Determined 0.38.1's own
+``det experiment create`` to the master stand-in (tests/standin/master*.py), run by the agent stand-in
+through Determined's whole container chain (tests/standin/task_run.py: ship-logs.sh, task-setup.sh
+installing the 0.38.1 harness wheel, prep_container, the startup hook, ``determined.exec.launch``,
+the ``torch_distributed`` launcher) in a bubblewrap sandbox as a linked non-root user, with the
+master config det_lab renders (its task-container defaults, the volume's mounts, shared_fs storage).
+
+What a researcher reads afterwards is what these tests check: the master's record (what the Web UI
+shows), the checkpoints on the volume and through the SDK, the run's own metrics.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from det_lab.cluster.render import prepare_local_cache, render_master
+from det_lab.cluster.settings import ClusterSettings
+from tests.standin.agent import Agent
+from tests.standin.master import Master
+from tests.standin.task_config import Image, LinkedUser
+from tests.standin.task_image import make_image
+from tests.task_standin import run_allocation
+from tests.test_standin_master import SEARCHER
+from tests.test_task_chain import harness_wheels  # noqa: F401  (a fixture: the 0.38.1 harness wheel)
+from tests.test_task_standin import TEMPLATES, Lab, lab  # noqa: F401  (lab: a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+DET = Path(sys.executable).parent / "det"
+
+
+class DetCluster:
+    """The lab's cluster as det_lab renders it: a master stand-in with det_lab's master config, an
+    agent stand-in with ``slots`` CPU slots running each task through Determined's chain as member A."""
+
+    def __init__(self, lab: Lab, wheels: Path, mlflow_uri: str, slots: int = 2) -> None:
+        self.lab = lab
+        # the lab's tracking server, on another machine of the lab network as the tasks see it
+        port = int(mlflow_uri.rsplit(":", 1)[1].strip("/"))
+        self.mlflow_uri, self.task_mlflow_uri = mlflow_uri, f"http://lab-mlflow:{port}"
+        cluster = ClusterSettings(tasks={"local_cache": str(lab.base / "agent-cache")})
+        prepare_local_cache(lab.settings, cluster)  # what 'cluster agent-up' makes
+        self.config = render_master(lab.settings, cluster)
+        a = lab.a
+        self.master = Master(self.config, searcher_factory=SEARCHER, agent_user_group={
+            "agentUid": a.uid, "agentGid": lab.gid, "agentUser": a.name, "agentGroup": lab.group})
+        # the lab's task image: det_lab in it (this checkout, installed editable in the image's packages)
+        base = make_image(lab.base / f"image-{uuid.uuid4().hex[:4]}", probe_uid=a.uid)
+        self.image = Image(base.bin_dir, env=base.env, dirs=[*base.dirs, REPO])
+        # 'det-lab cluster link-users' links a member with the lab group as gid (det_lab/cluster/users.py)
+        user = LinkedUser(a.name, a.uid, lab.gid, group=lab.group)
+        runner = functools.partial(run_allocation, master=self.config, user=user, image=self.image,
+                                   wheel_dir=wheels, master_addr=("127.0.0.1", self.master.port),
+                                   cluster_id=self.master.cluster_id, master_id=self.master.master_id, timeout=300,
+                                   services={"lab-mlflow": ("127.0.0.1", port)})
+        self.agent = Agent(self.master, runner, slots=slots)
+        home = lab.base / f"det-home-{uuid.uuid4().hex[:4]}"
+        home.mkdir()
+        self.env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+                    "XDG_CACHE_HOME": str(home / ".cache"), "DET_USER": "determined", "DET_PASS": "",
+                    "DET_MASTER": self.master.url, "LANG": "C.UTF-8"}
+
+    def det(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([str(DET), "-m", self.master.url, *args], capture_output=True, text=True,
+                              env=self.env, timeout=120)
+        if check:
+            assert proc.returncode == 0, proc.stdout + proc.stderr
+        return proc
+
+    def create(self, template: str, conf: dict[str, Any]) -> int:
+        """``det experiment create CONFIG DIR`` as a researcher runs it, from the template's directory,
+        its metrics mirrored to the lab's MLflow server."""
+        conf.setdefault("environment", {}).setdefault("environment_variables", []).extend(
+            ["DET_LAB_TRACKING=mlflow", f"MLFLOW_TRACKING_URI={self.task_mlflow_uri}"])
+        path = self.lab.base / f"exp-{uuid.uuid4().hex[:6]}.yaml"
+        path.write_text(yaml.safe_dump(conf))
+        out = self.det("experiment", "create", str(path), str(TEMPLATES / template)).stdout
+        return int(out.split("Created experiment ")[1].split()[0])
+
+    def wait(self, exp_id: int, *states: str, timeout: float = 400) -> str:
+        deadline = time.monotonic() + timeout
+        state = self.master.state
+        with state.changed:
+            while state.experiments[exp_id].state not in states:
+                assert time.monotonic() < deadline, f"experiment {exp_id}: {state.experiments[exp_id].state}"
+                state.changed.wait(0.5)
+        return state.experiments[exp_id].state
+
+    def trials(self, exp_id: int) -> list[Any]:
+        exp = self.master.state.experiments[exp_id]
+        return sorted((t for t in self.master.state.trials.values() if t.experiment is exp), key=lambda t: t.id)
+
+    def task_output(self) -> str:
+        return "\n".join(e.stdout[-3000:] + e.stderr[-6000:] for e in self.agent.exits)
+
+    def session(self) -> Any:
+        from determined.common.api import authentication
+        return authentication.login(self.master.url, "determined", "", cert=None)
+
+    def close(self) -> None:
+        self.agent.close()
+        self.master.close()
+
+
+@pytest.fixture(scope="module")
+def det_cluster(lab, harness_wheels, tmp_path_factory):  # noqa: F811
+    from det_lab.tracking.mlflow_server import MlflowServer, free_port
+
+    if not DET.exists():
+        pytest.skip("needs Determined's det CLI")
+    # the lab's MLflow server as 'det-lab tracking serve' runs it: answering the name tasks use for it
+    mlflow = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port(), allowed_hosts=["lab-mlflow"]).start()
+    cluster = DetCluster(lab, harness_wheels, mlflow.uri)
+    yield cluster
+    cluster.close()
+    mlflow.stop()
+
+
+def _expconf(template: str, config: str, **lab_section: Any) -> dict[str, Any]:
+    conf = yaml.safe_load((TEMPLATES / template / config).read_text())
+    conf["data"]["det_lab"].update(project="grasping", **lab_section)
+    return conf
+
+
+def _master_metrics(cluster: DetCluster, trial: Any) -> dict[str, list[tuple[int, dict[str, Any]]]]:
+    """What the master stored for ``trial``, by group: (steps, the reported averages), in order."""
+    out: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for m in cluster.master.state.metrics:
+        if m.trial_id == trial.id and not m.archived:
+            values = m.metrics["validation_metrics" if m.group == "validation" else "avg_metrics"]
+            out.setdefault(m.group, []).append((m.total_batches, values))
+    return out
+
+
+def _mlflow_history(cluster: DetCluster, trial: Any) -> dict[str, list[tuple[int, float]]]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(cluster.mlflow_uri)
+    runs = [r for e in client.search_experiments() for r in client.search_runs([e.experiment_id])
+            if r.data.tags.get("det.trial_id") == str(trial.id)
+            and r.data.tags.get("det.cluster_id") == cluster.master.cluster_id]
+    assert len(runs) == 1, [ln for ln in cluster.task_output().splitlines() if "tracking" in ln][-5:]
+    run = runs[0]
+    return {name: sorted((h.step, h.value) for h in client.get_metric_history(run.info.run_id, name))
+            for name in run.data.metrics}
+
+
+def _checkpoint_dirs(cluster: DetCluster, trial: Any, storage: str) -> list[tuple[Any, Path]]:
+    ckpts = [c for c in cluster.master.state.checkpoints.values() if c.trial_id == trial.id]
+    return [(c, cluster.lab.data / storage / c.uuid) for c in ckpts]
+
+
+def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluster):
+    """The master's record (api_trials.go ReportTrialMetrics, ReportCheckpoint: what the Web UI shows),
+    the volume and the tracker agree on one trial run through Determined's whole chain."""
+    conf = _expconf("vla", "const.yaml", dataset="grasp-frames", max_length={"batches": 40}, reporting_batches=10)
+    conf["min_validation_period"] = conf["min_checkpoint_period"] = {"batches": 20}
+    exp_id = det_cluster.create("vla", conf)
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output()
+    (trial,) = det_cluster.trials(exp_id)
+    assert trial.state == "COMPLETED" and det_cluster.master.unserved == []
+
+    metrics = _master_metrics(det_cluster, trial)
+    assert [s for s, _ in metrics["training"]] == [10, 20, 30, 40]  # every report once, in order
+    assert [s for s, _ in metrics["validation"]] == [20, 40]
+    mirrored = _mlflow_history(det_cluster, trial)
+    for group in ("training", "validation"):  # the mirror names a metric <group>/<name> (det_lab.tracking)
+        for step, values in metrics[group]:
+            for name, value in values.items():
+                assert dict(mirrored[f"{group}/{name}"])[step] == value, (group, name, step)
+    assert all(len(h) == len({s for s, _ in h}) for h in mirrored.values())  # each step once
+
+    ckpts = _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
+    assert sorted(c.metadata["steps_completed"] for c, _ in ckpts) == [20, 40]
+    for ckpt, path in ckpts:
+        files = sorted(name for name in ckpt.resources if not name.endswith("/"))  # directories end in /
+        assert files == sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
+        assert all((path / name).stat().st_size == int(size) for name, size in ckpt.resources.items()
+                   if not name.endswith("/"))
+        assert path.stat().st_uid == det_cluster.lab.a.uid  # written as the linked member
+    from determined.experimental import client
+
+    sdk = client.Determined._from_session(det_cluster.session())
+    latest = max(ckpts, key=lambda cp: cp[0].metadata["steps_completed"])
+    got = Path(sdk.get_checkpoint(latest[0].uuid).download(path=str(det_cluster.lab.base / "download-vla")))
+    assert (got / "state_dict.pth").read_bytes() == (latest[1] / "state_dict.pth").read_bytes()
