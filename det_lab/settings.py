@@ -128,6 +128,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
     "DET_LAB_LOCAL_CACHE": EnvVar(_path, "set in cluster tasks: the agent's local-disk cache mounted into every "
                                   "task (`tasks.local_cache`; gsplat's CUDA build in torch_extensions/)"),
+    "DET_LAB_SEARCHER_POLL": EnvVar(_positive(float), "seconds between a cluster trial's looks at whether "
+                                    "the searcher stopped it early (adaptive_asha); default 10", "0"),
     "DET_LAB_UNTESTED_HARNESS": EnvVar(_text, "set in an experiment's environment_variables: its tasks go on "
                                        "under a master whose harness is not Determined 0.38 (the startup hook "
                                        "stops them otherwise; docs/admin/fork.md)"),

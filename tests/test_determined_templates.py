@@ -159,19 +159,33 @@ def _checkpoint_dirs(cluster: DetCluster, trial: Any, storage: str) -> list[tupl
     return [(c, cluster.lab.data / storage / c.uuid) for c in ckpts]
 
 
-def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluster):
-    """The master's record (api_trials.go ReportTrialMetrics, ReportCheckpoint: what the Web UI shows),
-    the volume and the tracker agree on one trial run through Determined's whole chain."""
-    conf = _expconf("vla", "const.yaml", dataset="grasp-frames", max_length={"batches": 40}, reporting_batches=10)
+def _vla_conf(**searcher: Any) -> dict[str, Any]:
+    conf = _expconf("vla", "const.yaml", dataset="grasp-frames", max_length={"batches": 60}, reporting_batches=10)
     conf["min_validation_period"] = conf["min_checkpoint_period"] = {"batches": 20}
-    exp_id = det_cluster.create("vla", conf)
+    conf["searcher"].update(searcher)
+    # Determined draws the experiment seed from the clock unless the config names one (trial seeds follow it)
+    conf["reproducibility"] = {"experiment_seed": 7}
+    return conf
+
+
+@pytest.fixture(scope="module")
+def vla_run(det_cluster) -> tuple[int, Any]:
+    """One VLA trial trained to its end on the cluster, never interrupted: the reference."""
+    exp_id = det_cluster.create("vla", _vla_conf())
     assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output()
     (trial,) = det_cluster.trials(exp_id)
+    return exp_id, trial
+
+
+def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluster, vla_run):
+    """The master's record (api_trials.go ReportTrialMetrics, ReportCheckpoint: what the Web UI shows),
+    the volume and the tracker agree on one trial run through Determined's whole chain."""
+    exp_id, trial = vla_run
     assert trial.state == "COMPLETED" and det_cluster.master.unserved == []
 
     metrics = _master_metrics(det_cluster, trial)
-    assert [s for s, _ in metrics["training"]] == [10, 20, 30, 40]  # every report once, in order
-    assert [s for s, _ in metrics["validation"]] == [20, 40]
+    assert [s for s, _ in metrics["training"]] == [10, 20, 30, 40, 50, 60]  # every report once, in order
+    assert [s for s, _ in metrics["validation"]] == [20, 40, 60]
     mirrored = _mlflow_history(det_cluster, trial)
     for group in ("training", "validation"):  # the mirror names a metric <group>/<name> (det_lab.tracking)
         for step, values in metrics[group]:
@@ -180,7 +194,7 @@ def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluste
     assert all(len(h) == len({s for s, _ in h}) for h in mirrored.values())  # each step once
 
     ckpts = _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
-    assert sorted(c.metadata["steps_completed"] for c, _ in ckpts) == [20, 40]
+    assert sorted(c.metadata["steps_completed"] for c, _ in ckpts) == [20, 40, 60]
     for ckpt, path in ckpts:
         files = sorted(name for name in ckpt.resources if not name.endswith("/"))  # directories end in /
         assert files == sorted(str(p.relative_to(path)) for p in path.rglob("*") if p.is_file())
@@ -193,3 +207,40 @@ def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluste
     latest = max(ckpts, key=lambda cp: cp[0].metadata["steps_completed"])
     got = Path(sdk.get_checkpoint(latest[0].uuid).download(path=str(det_cluster.lab.base / "download-vla")))
     assert (got / "state_dict.pth").read_bytes() == (latest[1] / "state_dict.pth").read_bytes()
+    logs = det_cluster.det("trial", "logs", str(trial.id)).stdout  # what ship_logs.py sent (task logs)
+    assert "det_lab" in logs
+
+
+def _wait_for(cluster: DetCluster, predicate: Any, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    with cluster.master.state.changed:
+        while not predicate():
+            assert time.monotonic() < deadline, cluster.task_output()[-4000:]
+            cluster.master.state.changed.wait(0.2)
+
+
+def test_a_pause_from_the_cli_checkpoints_and_activate_resumes_to_the_uninterrupted_losses(det_cluster, vla_run):
+    """experiment.go PauseExperiment -> trial.go:750-759 TerminateAllocation (the preemption long poll
+    answers), the trial checkpoints and exits; ActivateExperiment -> a new allocation with
+    DET_LATEST_CHECKPOINT (task_trial.go:124-126): the losses after the resume are the reference's."""
+    exp_id = det_cluster.create("vla", _vla_conf())
+    _wait_for(det_cluster, lambda: any(s >= 20 for s, _ in _master_metrics(
+        det_cluster, det_cluster.trials(exp_id)[0]).get("training", [])) if det_cluster.trials(exp_id) else False)
+    det_cluster.det("experiment", "pause", str(exp_id))
+    (trial,) = det_cluster.trials(exp_id)
+    _wait_for(det_cluster, lambda: trial.state == "PAUSED" and trial.alloc is None)
+    paused_at = max(s for s, _ in _master_metrics(det_cluster, trial)["training"])
+    assert paused_at < 60, "the pause came after the trial ended: nothing was resumed"
+    saved = max(c.metadata["steps_completed"] for c, _ in _checkpoint_dirs(det_cluster, trial, "checkpoints/vla"))
+    assert saved >= 20  # the pause's own checkpoint, or the one before it
+    det_cluster.det("experiment", "activate", str(exp_id))
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output()
+    assert trial.run_id == 2  # one more run: DET_TRIAL_RUN_ID
+    second = [m.total_batches for m in det_cluster.master.state.metrics
+              if m.trial_id == trial.id and m.trial_run_id == 2 and m.group == "training"]
+    assert second and min(second) > saved  # it went on from the checkpoint, not from the first batch
+    resumed = dict(_master_metrics(det_cluster, trial)["training"])
+    reference = dict(_master_metrics(det_cluster, vla_run[1])["training"])
+    assert sorted(resumed) == sorted(reference)
+    for step in sorted(reference):
+        assert resumed[step]["loss"] == reference[step]["loss"], (step, paused_at)

@@ -92,6 +92,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("determined.pytorch.PyTorchTrialContext", "_core", None,
                 "determined/pytorch/_pytorch_context.py:67",
                 "the Core API context a PyTorchTrial trains with, to instrument it"),
+    PrivateName("determined.core.PreemptContext", "_watcher", None, "determined/core/_preempt.py:165-168",
+                "the chief's preemption watcher, whose flag a searcher's early stop raises (trials/searcher_stop.py)"),
+    PrivateName("determined.core._preempt._PreemptionWatcher", "_should_preempt", None,
+                "determined/core/_preempt.py:42", "the flag should_preempt() answers (and broadcasts) on the chief"),
     PrivateName("numpy._core.multiarray", "_reconstruct", None, "numpy (not determined)",
                 "shim 1: what the harness's pickled numpy RNG state refers to"),
 )

@@ -40,6 +40,7 @@ from det_lab.tracking.null_mirror import NullMirror
 from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.trials.gpu_sampler import DEFAULT_INTERVAL_S, GpuSampler
 from det_lab.trials.gpu_sampler import merge as merge_efficiency
+from det_lab.trials.searcher_stop import DEFAULT_POLL_S, SearcherStopWatcher, watch_searcher_stops
 from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
@@ -81,6 +82,7 @@ class LabSession:
         self._preempt_requested = False
         self._trainer_lock: VolumeLock | None = None
         self._gpu_sampler: GpuSampler | None = None
+        self._searcher_stop: SearcherStopWatcher | None = None
 
     @property
     def is_chief(self) -> bool:
@@ -128,6 +130,8 @@ class LabSession:
             self.mirror.set_tags(flatten(tracker_view(self.lineage)))
             self._start_gpu_sampler()
         intercept(self.core, self)
+        if self.identity.on_cluster:  # adaptive_asha's early stops reach the trial (trials/searcher_stop.py)
+            self._searcher_stop = watch_searcher_stops(self.core, env_value("DET_LAB_SEARCHER_POLL", DEFAULT_POLL_S))
         return self
 
     def _start_gpu_sampler(self) -> None:
@@ -236,6 +240,8 @@ class LabSession:
                 self._stop_gpu_sampler()
             except Exception as exc:  # noqa: BLE001 (the efficiency summary never fails a trial)
                 log.warning("det_lab: GPU efficiency not recorded: %s", exc)
+        if self._searcher_stop is not None:
+            self._searcher_stop.close()
         summary = self.mirror.close(status)  # type: ignore[arg-type]
         if self.is_chief:
             self.record.record_outcome(status, None if summary is None else
