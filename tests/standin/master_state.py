@@ -81,6 +81,8 @@ class Trial:
     run_id: int = 0
     alloc: Alloc | None = None
     stopped_by_searcher: bool = False  # TrialSearcherState.EarlyStoppedBySearcher
+    last_validation: dict[str, Any] | None = None  # the validation metrics the searcher last saw
+    stopped_after: dict[str, Any] | None = None  # the validation after which the searcher stopped it
     exited_early: bool = False  # TrialSearcherState.EarlyExitedByUserCode
     user_exit_reason: str | None = None  # trial.userInitiatedExit
     progress: float = 0.0
@@ -252,7 +254,10 @@ class State:
                 self.maybe_allocate(trial)
             elif kind == "Stop":
                 if action.request_id in exp.trials:
-                    exp.trials[action.request_id].stopped_by_searcher = True
+                    stopping = exp.trials[action.request_id]
+                    if not stopping.stopped_by_searcher:  # the first stop (a 0.38.1 trial trains on after it)
+                        stopping.stopped_after = stopping.last_validation
+                    stopping.stopped_by_searcher = True
                     stopped.append(exp.trials[action.request_id])
             elif kind == "Shutdown":
                 target = "STOPPING_ERROR" if getattr(action, "failure", False) else (
@@ -261,16 +266,19 @@ class State:
         for trial in stopped:  # trial.go:227-248 PatchSearcherState
             self.patch_trial_state(trial, "STOPPING_COMPLETED")
 
-    def trial_exited(self, trial: Trial, early: bool) -> None:
-        """experiment.go:555-568 trialExited: the searcher hears of it, and a stopping experiment may end."""
+    def trial_exited(self, trial: Trial, reason: str | None) -> None:
+        """experiment.go:555-568 trialExited: the searcher hears of it (with trial.go:193-197 exit's reason:
+        ERRORED, USER_CANCELED or none), and a stopping experiment may end."""
         exp = trial.experiment
         exp.trials.pop(trial.request_id, None)
-        self.handle_actions(exp, exp.searcher.on_trial_exited(trial.request_id, early=early))
+        self.handle_actions(exp, exp.searcher.on_trial_exited(trial.request_id, early=reason is not None,
+                                                              reason=reason))
         self.maybe_stop(exp)
 
     def report_validation(self, trial: Trial, metrics: dict[str, Any]) -> None:
         """experiment.go:331-337 TrialReportValidation (from api_trials.go:1456-1470)."""
         exp = trial.experiment
+        trial.last_validation = dict(metrics)
         if trial.request_id in exp.trials:
             self.handle_actions(exp, exp.searcher.on_validation(trial.request_id, metrics))
 
@@ -318,7 +326,7 @@ class State:
             return
         self.transition_trial(trial, state)
 
-    def transition_trial(self, trial: Trial, state: str, early: bool = False) -> None:
+    def transition_trial(self, trial: Trial, state: str) -> None:
         """trial.go:733-794 transition: rectify the allocation with the trial's new state."""
         trial.state = state
         if state == "ACTIVE":
@@ -337,7 +345,8 @@ class State:
                 self.signal(trial.alloc, action)
         elif state in TERMINAL:
             trial.end_time = now_iso()
-            self.trial_exited(trial, early or state in ("ERROR", "CANCELED") or trial.user_exit_reason is not None)
+            # trial.go:780-789: exit(Errored) from ERROR, exit(UserCanceled) from CANCELED, else exit(nil)
+            self.trial_exited(trial, {"ERROR": "ERRORED", "CANCELED": "USER_CANCELED"}.get(state))
         self.notify()
 
     # --- allocations: master/internal/task/allocation.go ------------------------------------------
