@@ -50,7 +50,7 @@ python -m pip install -q --upgrade pip
 python -c 'import torch' 2>/dev/null || python -m pip install -q 'torch==2.13.0'
 python -m pip install -q -e '.[test,docs]'
 # without their declared dependencies: rsl_rl's tensorboard/onnx (not needed to train), LeRobot's
-# torch<2.11 pin (only its dataset code is used, as the reference reader), and `datasets` 4's
-# requests>=2.32 (determined 0.38.1 pins requests<2.32)
+# torch<2.11 pin (its dataset code and its policies are the tests' references; what they import is in
+# the test extra), and `datasets` 4's requests>=2.32 (determined 0.38.1 pins requests<2.32)
 python -m pip install -q --no-deps 'rsl-rl-lib==5.5.1' 'lerobot==0.4.4' 'datasets==4.8.5'
 echo "tests/setup.sh: ready; run: python -m pytest" >&2

@@ -185,6 +185,20 @@ class LeRobotDataset(torch.utils.data.Dataset):
         return {k: np.asarray(v, dtype=np.float32) for k, v in self.stats[key].items()
                 if k in ("mean", "std", "min", "max")}
 
+    @property
+    def rows(self) -> np.ndarray:
+        """The reader rows of the served items, in item order (``self[i]`` reads row ``rows[i]``).
+
+        Rows index the tabular arrays (``state``, ``action``, ``episode_index``, ``timestamp``, ...);
+        an episode's frames are rows ``Episode.start .. Episode.start + length - 1``."""
+        return self._items.copy()
+
+    def image(self, camera: str, row: int) -> np.ndarray:
+        """The ``(C, H, W)`` float32 image in [0, 1] of ``camera`` at reader row ``row``."""
+        if camera not in self.cameras:
+            raise ValueError(f"{self.root}: camera {camera!r} is not loaded (loaded: {self.cameras})")
+        return self._image(camera, int(row))
+
     def __len__(self) -> int:
         return len(self._items)
 

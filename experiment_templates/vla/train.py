@@ -8,6 +8,11 @@ det_lab's base class pulls the dataset named in ``data.det_lab.dataset`` (read-o
 ``self.dataset_path``), mirrors every metric to MLflow/Aim and records the dataset's identity in
 each checkpoint's metadata. Determined handles checkpoints, resume, validation periods, the
 searcher and distributed data parallelism (``resources.slots_per_trial``).
+
+``hyperparameters.policy.name`` picks the policy: ``det_lab`` (the default: ``model.py``, sized by
+``hyperparameters.model``) or any type LeRobot's factory builds (``act``, ``diffusion``, ...: built,
+stepped and exported by :mod:`det_lab.policies` as ``lerobot-train`` does; ``act.yaml``). LeRobot
+is imported only then. Each checkpoint of a LeRobot policy also holds LeRobot's ``pretrained_model/``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 from contextlib import nullcontext
 from typing import Any
 
@@ -23,6 +29,8 @@ import torch
 from determined import pytorch
 
 from dataset import CachedPolicyFrames, collate_batch, load_splits
+from det_lab.errors import UserError
+from det_lab.policies.choice import parse_policy
 from det_lab.trials.pytorch import LabPyTorchTrial, run
 from device_feed import OneBatchLate, to_device
 from frame_cache import resolve_cache_dir
@@ -42,6 +50,16 @@ class SavePolicyConfig(pytorch.PyTorchCallback):
             json.dump(self.description, f, indent=2)
 
 
+class ExportPretrained(pytorch.PyTorchCallback):
+    """Writes LeRobot's ``pretrained_model/`` into each checkpoint (``PolicyClass.from_pretrained`` loads it)."""
+
+    def __init__(self, training: Any) -> None:
+        self.training = training
+
+    def on_checkpoint_write_end(self, checkpoint_dir: str) -> None:
+        self.training.export(checkpoint_dir)
+
+
 class VLATrial(LabPyTorchTrial):
     def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
         super().__init__(context)
@@ -49,6 +67,11 @@ class VLATrial(LabPyTorchTrial):
         self.hp = hp
         if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
             torch.set_num_threads(int(hp["torch_threads"]))
+        self.lerobot: Any = None  # a det_lab.policies.LeRobotTraining when policy.type is LeRobot's
+        choice = parse_policy(hp.get("policy"))
+        if choice.is_lerobot:
+            self._init_lerobot(choice)
+            return
         on_volume = self.volume.outputs(self.lab.project) / "frame-cache"
         cache_dir = resolve_cache_dir(hp.get("frame_cache"), on_volume)
         self.splits = load_splits(self.dataset_path, hp, cache_dir, self.dataset.identity.md5 if self.dataset else None,
@@ -80,12 +103,34 @@ class VLATrial(LabPyTorchTrial):
             "dataset": self.lineage.get("dataset"),
         }
 
-    def _total_batches(self) -> int:
+    def _init_lerobot(self, choice: Any) -> None:
+        from det_lab.formats import LeRobotDataset, split_episodes
+        from det_lab.policies import PolicyFrames, build_training, dataset_meta
+
+        hp, ctx = self.hp, self.context
+        full = LeRobotDataset(self.dataset_path, cameras=hp.get("cameras"))
+        train_eps, val_eps = split_episodes(full.episode_indices, val_episodes=int(hp["val_episodes"]),
+                                            seed=int(hp.get("split_seed", 0)))
+        self.lerobot = build_training(
+            choice, dataset_meta(full), device=ctx.device, total_steps=self._total_batches(len(full.select(train_eps))),
+            wrap_model=ctx.wrap_model, wrap_optimizer=ctx.wrap_optimizer,
+            wrap_scheduler=lambda s: ctx.wrap_lr_scheduler(s, step_mode=pytorch.LRScheduler.StepMode.MANUAL_STEP))
+        delta = self.lerobot.delta_indices
+        self.lerobot_items = {"train": PolicyFrames(full.select(train_eps), delta, self.lerobot.drop_n_last_frames),
+                              "val": PolicyFrames(full.select(val_eps), delta)}
+        ctx.experimental.disable_auto_to_device()  # the preprocessor moves batches, as in lerobot-train
+        self.description = {
+            "policy": {"type": choice.type, **choice.overrides}, "cameras": full.cameras, "fps": full.fps,
+            "train_episodes": train_eps, "val_episodes": val_eps, "dataset": self.lineage.get("dataset"),
+        }
+
+    def _total_batches(self, n_train: int | None = None) -> int:
         """The run's length in batches (for the LR schedule), from max_length or ASHA's max_time."""
         length = self.training_length
         if length.batches:
             return length.batches
-        per_epoch = len(self.splits.train) // self.context.get_global_batch_size()
+        n_train = len(self.splits.train) if n_train is None else n_train
+        per_epoch = n_train // self.context.get_global_batch_size()
         return max(1, length.value * max(1, per_epoch))
 
     def _autocast(self):
@@ -100,9 +145,13 @@ class VLATrial(LabPyTorchTrial):
         )
 
     def build_training_data_loader(self) -> pytorch.DataLoader:
+        if self.lerobot is not None:
+            return self._loader(self.lerobot_items["train"], train=True)
         return self._loader(self.splits.train, train=True)
 
     def build_validation_data_loader(self) -> pytorch.DataLoader:
+        if self.lerobot is not None:
+            return self._loader(self.lerobot_items["val"], train=False)
         return self._loader(self.splits.val, train=False)
 
     def _forward(self, batch: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -111,7 +160,12 @@ class VLATrial(LabPyTorchTrial):
             return self.model(batch["images"], batch["state"], batch["text_ids"], batch["text_valid"],
                               batch["action"], batch["action_is_pad"])
 
+    def _step_optimizer(self, optimizer: torch.optim.Optimizer, clip_grads: Any) -> None:
+        self.context.step_optimizer(optimizer, clip_grads=clip_grads)
+
     def train_batch(self, batch: dict[str, Any], epoch_idx: int, batch_idx: int) -> dict[str, Any]:
+        if self.lerobot is not None:
+            return self.lerobot.train_step(batch, self.context.backward, self._step_optimizer)
         out = self._forward(batch)
         self.context.backward(out["loss"])
         clip = float(self.hp.get("grad_clip", 0) or 0)
@@ -121,12 +175,17 @@ class VLATrial(LabPyTorchTrial):
         return {**late, "lr": self.sched.get_last_lr()[0]}
 
     def evaluate_batch(self, batch: dict[str, Any], batch_idx: int) -> dict[str, Any]:
+        if self.lerobot is not None:
+            return self.lerobot.evaluate(batch, seed=batch_idx)
         out = self._forward(batch)
         return {"val_loss": out["loss"], "val_action_l1": out["action_l1"],
                 "val_action_l1_first": out["action_l1_first"]}
 
     def build_callbacks(self) -> dict[str, pytorch.PyTorchCallback]:
-        return {"policy_config": SavePolicyConfig(self.description)}
+        callbacks: dict[str, pytorch.PyTorchCallback] = {"policy_config": SavePolicyConfig(self.description)}
+        if self.lerobot is not None:
+            callbacks["lerobot_pretrained"] = ExportPretrained(self.lerobot)
+        return callbacks
 
 
 def _warmup_cosine(warmup: int, total: int):
@@ -141,4 +200,8 @@ def _warmup_cosine(warmup: int, total: int):
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format=det.LOG_FORMAT)
-    run(VLATrial)
+    try:
+        run(VLATrial)
+    except UserError as exc:  # a bad policy choice or dataset: one line in the log, no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

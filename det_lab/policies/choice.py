@@ -1,0 +1,82 @@
+"""The ``hyperparameters.policy`` section of an experiment config, read without importing LeRobot.
+
+    policy:
+      name: act                 # det_lab (the template's own transformer) or a LeRobot policy type
+      pretrained: null          # or a local directory holding a LeRobot ``pretrained_model/``
+      dim_model: 64             # any other key: a field of LeRobot's policy config (ACTConfig, ...)
+
+The policy type is ``name`` (as LeRobot's policy classes name themselves: ``ACTPolicy.name``), not
+``type``: in Determined's hyperparameters a mapping with a ``type`` key is a search space
+(``{type: int, minval: ...}``), so ``policy: {type: act}`` is refused by the master and by
+``det-lab run`` alike. A whole section given as a constant (``policy: {type: const, val: {type:
+act, ...}}``) arrives as a plain mapping, where ``type`` is read as ``name``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from det_lab.policies.errors import PolicyError
+
+#: the template's own model (experiment_templates/vla/model.py): no LeRobot import at all
+DEFAULT_TYPE = "det_lab"
+_RESERVED = ("name", "type", "pretrained")
+
+
+@dataclass(frozen=True)
+class PolicyChoice:
+    """Which policy a trial trains: its type, the pretrained model it starts from, its config keys."""
+
+    type: str = DEFAULT_TYPE
+    pretrained: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_lerobot(self) -> bool:
+        """True when LeRobot's factory builds the policy (anything but :data:`DEFAULT_TYPE`)."""
+        return self.type != DEFAULT_TYPE
+
+
+def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
+    """The :class:`PolicyChoice` of a ``policy`` hyperparameter section (``None``: the default).
+
+    Raises:
+        PolicyError: a section that is not a mapping, a non-string ``name``, a
+            ``pretrained`` that is not a local directory holding ``config.json``, or config keys
+            given to the default policy (whose sizes live under ``hyperparameters.model``).
+    """
+    if section is None:
+        return PolicyChoice()
+    if not isinstance(section, Mapping):
+        raise PolicyError(f"hyperparameters.policy must be a mapping such as {{name: act}}, got {section!r}")
+    if "name" in section and "type" in section:
+        raise PolicyError("hyperparameters.policy: give the policy type once, as name (not also as type)")
+    kind = section.get("name", section.get("type", DEFAULT_TYPE))
+    if not isinstance(kind, str) or not kind:
+        raise PolicyError(f"hyperparameters.policy.name must be a policy type such as act, got {kind!r}")
+    overrides = {str(k): v for k, v in section.items() if k not in _RESERVED}
+    if kind == DEFAULT_TYPE and overrides:
+        raise PolicyError(f"hyperparameters.policy: {sorted(overrides)} are LeRobot policy keys, but the policy is "
+                          f"{DEFAULT_TYPE} (its sizes are under hyperparameters.model); set policy.name")
+    return PolicyChoice(kind, _pretrained(section.get("pretrained"), kind), overrides)
+
+
+def _pretrained(value: Any, kind: str) -> Path | None:
+    if value is None or value == "":
+        return None
+    if kind == DEFAULT_TYPE:
+        raise PolicyError("hyperparameters.policy.pretrained needs a LeRobot policy type (policy.name)")
+    if not isinstance(value, str):
+        raise PolicyError(f"hyperparameters.policy.pretrained must be a directory path, got {value!r}")
+    path = Path(value).expanduser()
+    if not path.is_dir():
+        # hub ids come with the volume's model store; until then a downloaded snapshot is a directory
+        raise PolicyError(f"hyperparameters.policy.pretrained: {value} is not a local directory; pass the "
+                          "directory of a LeRobot pretrained_model/ (config.json, model.safetensors)")
+    if not (path / "config.json").is_file():
+        raise PolicyError(f"hyperparameters.policy.pretrained: {path} has no config.json; pass the directory "
+                          "of a LeRobot pretrained_model/ (a det_lab checkpoint's pretrained_model/ is one)")
+    return path.resolve()

@@ -1,0 +1,289 @@
+"""A LeRobot policy trained by a det_lab trial, built and stepped as ``lerobot-train`` does.
+
+Build order (``lerobot/scripts/lerobot_train.py``): ``make_policy_config`` -> ``make_policy(cfg,
+ds_meta=...)`` -> ``make_pre_post_processors(policy_cfg=cfg, dataset_stats=...)`` -> the policy's
+optimizer and scheduler presets over ``policy.get_optim_params()``. A step (its
+``update_policy``): preprocessor, ``loss, out = policy.forward(batch)``, backward, gradient
+clipping to the optimizer preset's ``grad_clip_norm``, optimizer step, scheduler step,
+``policy.update()`` where the policy has it. The caller supplies backward and the optimizer step
+(Determined's ``context.backward`` and ``context.step_optimizer`` in a trial, plain PyTorch
+elsewhere) and the wrappers of model, optimizer and scheduler, so exact resume stays Determined's.
+
+LeRobot is imported here, when a LeRobot policy is built, never at det_lab's import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from det_lab.policies.choice import PolicyChoice
+from det_lab.policies.errors import PolicyError
+from det_lab.policies.meta import DatasetMeta
+
+#: where a checkpoint directory holds LeRobot's own files (``PolicyClass.from_pretrained`` reads it)
+PRETRAINED_DIR = "pretrained_model"
+Wrap = Callable[[Any], Any]
+
+
+def _same(x: Any) -> Any:
+    return x
+
+
+def _backward(loss: torch.Tensor) -> None:
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+@dataclasses.dataclass
+class LeRobotTraining:
+    """A LeRobot policy with its processors, optimizer and scheduler, and det_lab's step on them."""
+
+    config: Any  # lerobot.configs.policies.PreTrainedConfig
+    model: torch.nn.Module  # the policy as the caller wrapped it (forward goes through it)
+    policy: Any  # the PreTrainedPolicy itself (save_pretrained, get_optim_params, update)
+    preprocessor: Any
+    postprocessor: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any | None
+    grad_clip_norm: float
+    delta_indices: dict[str, list[int]] | None
+    grad_norm: torch.Tensor | None = None
+
+    @property
+    def drop_n_last_frames(self) -> int:
+        """Frames LeRobot's ``EpisodeAwareSampler`` leaves out at each episode's end for this policy."""
+        return int(getattr(self.config, "drop_n_last_frames", 0) or 0)
+
+    def clip_gradients(self, _params: Any = None) -> None:
+        """``update_policy``'s clipping: over all the policy's parameters, to ``grad_clip_norm``."""
+        if self.grad_clip_norm > 0:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip_norm)
+        else:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), float("inf"),
+                                                           error_if_nonfinite=False)
+
+    def _plain_step(self, optimizer: torch.optim.Optimizer, clip: Callable[[Any], None]) -> None:
+        clip(None)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    def train_step(self, batch: dict[str, Any], backward: Callable[[torch.Tensor], None] | None = None,
+                   step_optimizer: Callable[..., None] | None = None) -> dict[str, Any]:
+        """One training step on a loader's batch; returns ``loss``, every scalar the policy's forward
+        returns (``l1_loss``, ``kld_loss``, ...), ``grad_norm`` and ``lr``.
+
+        ``backward(loss)`` and ``step_optimizer(optimizer, clip_grads)`` default to PyTorch's own
+        (``step_optimizer`` must call ``clip_grads``, step and zero the gradients, as Determined's does).
+        """
+        self.policy.train()
+        batch = self.preprocessor(batch)
+        loss, out = self.model(batch)
+        (backward or _backward)(loss)
+        (step_optimizer or self._plain_step)(self.optimizer, self.clip_gradients)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        update = getattr(self.policy, "update", None)
+        if callable(update):
+            update()
+        metrics: dict[str, Any] = {"loss": loss.detach()}
+        metrics.update(scalars(out))
+        if self.grad_norm is not None:
+            metrics["grad_norm"] = self.grad_norm.detach()
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def predict_chunk(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The policy's action chunk (normalised units) for a preprocessed batch, from its current
+        frame on: ``predict_action_chunk``, or Diffusion's sampler over the batch's observation
+        history (its ``predict_action_chunk`` reads the rollout queues instead)."""
+        diffusion = getattr(self.policy, "diffusion", None)
+        if diffusion is not None and hasattr(diffusion, "generate_actions"):
+            obs = {k: v for k, v in batch.items() if k.startswith("observation.")}
+            if self.config.image_features:
+                obs["observation.images"] = torch.stack([obs[k] for k in self.config.image_features], dim=-4)
+            return cast(torch.Tensor, diffusion.generate_actions(obs))
+        return cast(torch.Tensor, self.policy.predict_action_chunk(batch))
+
+    @torch.no_grad()
+    def evaluate(self, batch: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+        """Held-out metrics of a loader's batch, as the template's own model reports them:
+        ``val_loss`` (L1 of the predicted chunk in normalised units), ``val_action_l1`` (in the
+        robot's units) and ``val_action_l1_first`` (the chunk's first step), padded steps masked.
+
+        Runs in eval mode under a forked RNG seeded with ``seed``: a sampling policy (Diffusion)
+        gives the same numbers every time, and training's random stream is left as it was."""
+        self.policy.eval()
+        target, pad = batch["action"], batch.get("action_is_pad")
+        if target.ndim == 2:  # a policy without an action chunk: one step
+            target, pad = target[:, None], None if pad is None else pad.reshape(len(target), -1)[:, :1]
+        device = next(self.policy.parameters()).device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            pre = self.preprocessor(batch)
+            pred_n = self.predict_chunk(pre).float()
+        if pred_n.ndim == 2:
+            pred_n = pred_n[:, None]
+        deltas = list(self.config.action_delta_indices or [0])
+        first = deltas.index(0) if 0 in deltas else 0  # the chunk starts at the current frame
+        n = min(pred_n.shape[1], target.shape[1] - first)
+        pred_n = pred_n[:, :n]
+        target_n = pre["action"].reshape(target.shape)[:, first:first + n].to(pred_n)
+        target = target[:, first:first + n].to(torch.float32)
+        pred = self.postprocessor(pred_n).to(target)
+        valid = torch.ones_like(target[..., :1]) if pad is None else (~pad[:, first:first + n]).to(target)[..., None]
+        per = (valid.sum() * target.shape[-1]).clamp_min(1)
+        err = (pred - target).abs() * valid
+        return {"val_loss": ((pred_n - target_n).abs() * valid.to(pred_n)).sum().cpu() / per,
+                "val_action_l1": err.sum() / per,
+                "val_action_l1_first": err[:, 0].sum() / (valid[:, 0].sum() * target.shape[-1]).clamp_min(1)}
+
+    def export(self, checkpoint_dir: str | Path) -> Path:
+        """Write LeRobot's ``pretrained_model/`` (config.json, model.safetensors, the processors'
+        files) into ``checkpoint_dir``, through the policy's and processors' own ``save_pretrained``."""
+        out = Path(checkpoint_dir) / PRETRAINED_DIR
+        self.policy.save_pretrained(out)
+        self.preprocessor.save_pretrained(out)
+        self.postprocessor.save_pretrained(out)
+        return out
+
+
+def scalars(out: Any) -> dict[str, Any]:
+    """The scalar entries of a policy's forward output (floats and one-element tensors)."""
+    found: dict[str, Any] = {}
+    for key, value in (out or {}).items():
+        if isinstance(value, bool):
+            continue
+        if isinstance(value, (int, float)):
+            found[key] = float(value)
+        elif isinstance(value, torch.Tensor) and value.numel() == 1:
+            found[key] = value.detach().reshape(())
+    return found
+
+
+def known_types() -> list[str]:
+    """The policy types LeRobot's factory knows (its config registry), sorted."""
+    from lerobot.configs.policies import PreTrainedConfig
+
+    return sorted(PreTrainedConfig.get_known_choices())
+
+
+def make_config(choice: PolicyChoice, device: str) -> Any:
+    """LeRobot's policy config for ``choice``: ``make_policy_config(type, **keys)``, or the
+    pretrained model's ``config.json`` with the keys applied, its ``pretrained_path`` set."""
+    from lerobot.configs.policies import PreTrainedConfig
+    from lerobot.policies.factory import make_policy_config
+
+    types = known_types()
+    if choice.type not in types:
+        raise PolicyError(f"hyperparameters.policy.name: unknown policy type {choice.type!r}; "
+                          f"choose det_lab or one of LeRobot's: {', '.join(types)}")
+    cls = PreTrainedConfig.get_choice_class(choice.type)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(choice.overrides) - names)
+    if unknown:
+        raise PolicyError(f"hyperparameters.policy: {cls.__name__} has no keys {unknown}")
+    defaults = {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+    # YAML has lists where the configs declare tuples (down_dims, crop_shape): keep the declared kind
+    keys = {k: tuple(v) if isinstance(v, list) and isinstance(defaults.get(k), tuple) else v
+            for k, v in choice.overrides.items()}
+    keys.setdefault("device", device)
+    try:
+        if choice.pretrained is None:
+            return make_policy_config(choice.type, **keys)
+        cfg = PreTrainedConfig.from_pretrained(choice.pretrained)
+        if cfg.type != choice.type:
+            raise PolicyError(f"hyperparameters.policy.pretrained: {choice.pretrained} holds a {cfg.type} "
+                              f"policy, not {choice.type}")
+        cfg = dataclasses.replace(cfg, **keys)
+        cfg.pretrained_path = choice.pretrained
+        return cfg
+    except (TypeError, ValueError, NotImplementedError) as exc:
+        if isinstance(exc, PolicyError):
+            raise
+        raise PolicyError(f"hyperparameters.policy ({choice.type}): {_one_line(exc)}") from None
+
+
+def delta_indices(cfg: Any, meta: DatasetMeta) -> dict[str, list[int]] | None:
+    """The frame offsets per feature the policy config asks for (``resolve_delta_timestamps`` in
+    frames, as ``LeRobotDataset`` turns them into indices); ``None`` for the current frame only."""
+    from lerobot.datasets.factory import resolve_delta_timestamps
+    from lerobot.datasets.utils import check_delta_timestamps, get_delta_indices
+
+    timestamps = resolve_delta_timestamps(cfg, meta)
+    if timestamps is None:
+        return None
+    check_delta_timestamps(timestamps, meta.fps, 1e-4)
+    return cast("dict[str, list[int]]", get_delta_indices(timestamps, meta.fps))
+
+
+def check_features(cfg: Any, meta: DatasetMeta) -> None:
+    """Refuse a dataset without what the policy needs (``validate_features`` on the dataset's
+    features, as ``make_policy`` sets them), before anything is built."""
+    from lerobot.configs.types import FeatureType
+    from lerobot.datasets.utils import dataset_to_policy_features
+
+    features = dataset_to_policy_features(meta.features)
+    probe = dataclasses.replace(cfg)
+    probe.output_features = {k: ft for k, ft in features.items() if ft.type is FeatureType.ACTION}
+    if not probe.input_features:
+        probe.input_features = {k: ft for k, ft in features.items() if k not in probe.output_features}
+    has = ", ".join(sorted(features)) or "none"
+    if not probe.output_features:
+        raise PolicyError(f"{meta.root}: the dataset has no action feature, which policy {cfg.type} predicts")
+    try:
+        probe.validate_features()
+    except (ValueError, KeyError) as exc:
+        raise PolicyError(f"{meta.root}: policy {cfg.type} cannot train on this dataset: {_one_line(exc)} "
+                          f"(its features: {has})") from None
+
+
+def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | torch.device = "cpu",
+                   total_steps: int, wrap_model: Wrap = _same, wrap_optimizer: Wrap = _same,
+                   wrap_scheduler: Wrap = _same) -> LeRobotTraining:
+    """Build ``choice`` on the dataset ``meta`` in ``lerobot-train``'s order (see the module doc).
+
+    ``total_steps`` is the run's length in optimizer steps (the scheduler preset's horizon);
+    ``wrap_*`` receive the policy, optimizer and scheduler as they are made (Determined's
+    ``context.wrap_model`` and friends in a trial).
+
+    Raises:
+        PolicyError: an unknown type or key, a bad value, or a dataset the policy cannot train on.
+    """
+    from lerobot.policies.factory import make_policy, make_pre_post_processors
+
+    device_type = torch.device(device).type
+    cfg = make_config(choice, device_type)
+    check_features(cfg, meta)
+    policy = make_policy(cfg, ds_meta=meta)
+    model = wrap_model(policy)
+    processor_kwargs: dict[str, Any] = {"dataset_stats": meta.stats}
+    if cfg.pretrained_path is not None:  # the pretrained processors, renormalised to this dataset
+        features = {**cfg.input_features, **cfg.output_features}
+        processor_kwargs["preprocessor_overrides"] = {
+            "device_processor": {"device": device_type},
+            "normalizer_processor": {"stats": meta.stats, "features": features,
+                                     "norm_map": cfg.normalization_mapping},
+            "rename_observations_processor": {"rename_map": {}},
+        }
+        processor_kwargs["postprocessor_overrides"] = {
+            "unnormalizer_processor": {"stats": meta.stats, "features": cfg.output_features,
+                                       "norm_map": cfg.normalization_mapping},
+        }
+    preprocessor, postprocessor = make_pre_post_processors(policy_cfg=cfg, pretrained_path=cfg.pretrained_path,
+                                                           **processor_kwargs)
+    optimizer_cfg, scheduler_cfg = cfg.get_optimizer_preset(), cfg.get_scheduler_preset()
+    optimizer = wrap_optimizer(optimizer_cfg.build(policy.get_optim_params()))
+    scheduler = scheduler_cfg.build(optimizer, total_steps) if scheduler_cfg is not None else None
+    if scheduler is not None:
+        scheduler = wrap_scheduler(scheduler)
+    return LeRobotTraining(cfg, model, policy, preprocessor, postprocessor, optimizer, scheduler,
+                           float(optimizer_cfg.grad_clip_norm), delta_indices(cfg, meta))
