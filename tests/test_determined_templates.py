@@ -244,3 +244,31 @@ def test_a_pause_from_the_cli_checkpoints_and_activate_resumes_to_the_uninterrup
     assert sorted(resumed) == sorted(reference)
     for step in sorted(reference):
         assert resumed[step]["loss"] == reference[step]["loss"], (step, paused_at)
+
+
+def test_an_asha_search_of_four_trials_on_two_slots_stops_the_trials_the_searcher_stops(det_cluster):
+    """searcher/asha_stopping.go: a trial whose metric at a rung is outside the top 1/divisor is stopped
+    (trial.go:227-248 STOPPING_COMPLETED, no signal in 0.38.1: det_lab's chief sees the state and stops,
+    det_lab/trials/searcher_stop.py); 2 slots, so the four trials queue (the agent takes what fits)."""
+    conf = _vla_conf(name="adaptive_asha", max_trials=4, max_concurrent_trials=2, time_metric="batches",
+                     max_time=40, divisor=2, max_rungs=3, mode="aggressive")  # rungs at 10, 20 and 40 batches
+    conf["data"]["det_lab"]["max_length"] = {"batches": 40}
+    conf["min_validation_period"] = conf["min_checkpoint_period"] = {"batches": 10}
+    conf["hyperparameters"]["lr"] = {"type": "categorical", "vals": [0.003, 1e-7]}
+    conf["reproducibility"] = {"experiment_seed": 2}  # its first two trials draw lr 0.003 (nprand, as Go's)
+    conf["environment"] = {"environment_variables": ["DET_LAB_SEARCHER_POLL=0.5"]}
+    exp_id = det_cluster.create("vla", conf)
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED", timeout=600) == "COMPLETED", \
+        det_cluster.task_output()
+    trials = det_cluster.trials(exp_id)
+    assert len(trials) == 4 and {t.state for t in trials} == {"COMPLETED"}
+    # asha_stopping.go stops a trial at a rung below the top (and every trial reaching the top one)
+    early = [t for t in trials if t.stopped_by_searcher and t.stopped_after["batches"] < 40]
+    assert early and len(early) < 4, "the searcher stopped no trial early: nothing to honour"
+    for trial in trials:
+        trained = max(s for s, _ in _master_metrics(det_cluster, trial)["training"])
+        saved = max(c.metadata["steps_completed"] for c, _ in _checkpoint_dirs(det_cluster, trial, "checkpoints/vla"))
+        if trial in early:  # it stopped soon after the rung that decided it, checkpointed where it stopped
+            assert trial.stopped_after["batches"] <= trained < 40 and saved == trained, (trial.id, trained, saved)
+        else:
+            assert trained == 40, (trial.id, trained)
