@@ -27,7 +27,7 @@ from determined import core as det_core
 from det_lab.settings import LabSettings, load_settings
 from det_lab.trials.expconf import lab_section
 from det_lab.trials.distributed import off_cluster_distributed
-from det_lab.trials.harness import harness_shims
+from det_lab.trials.harness import harness_shims, tensorboard_available
 from det_lab.trials.identity import read_identity
 from det_lab.trials.session import LabSession, local_checkpoint_dir  # noqa: F401  (det_lab.core.local_checkpoint_dir)
 from det_lab.trials.surface import TrialSurface
@@ -58,6 +58,10 @@ def init(*, settings: LabSettings | None = None, exp_conf: dict[str, Any] | None
     ckpt = None if identity.on_cluster else Path(checkpoint_storage or local_checkpoint_dir(settings, lab.project, identity.exp_conf))
     with harness_shims(ckpt, [settings.data_root]):
         kwargs: dict[str, Any] = {"distributed": distributed or off_cluster_distributed(identity.on_cluster)}
+        if identity.on_cluster and not tensorboard_available():
+            # shim 2 for Core API trials: on a cluster AUTO builds TensorBoard's writer, which imports
+            # tensorboard (or tensorflow) and ends a trial whose image has neither
+            kwargs["tensorboard_mode"] = det_core.TensorboardMode.MANUAL
         if ckpt is not None:
             kwargs["checkpoint_storage"] = str(ckpt)
         elif checkpoint_storage is not None:

@@ -99,6 +99,9 @@ class LabSession:
     # --- start ---------------------------------------------------------------------------------------
 
     def start(self) -> LabSession:
+        # an unknown project: one line before anything is pulled, written or mirrored (on a cluster no
+        # 'det-lab run' preflight ran: the config came through det experiment create or the Web UI)
+        self.settings.project(self.identity.project)
         share_with_group()  # what the trial writes on the volume stays the group's, whatever the umask
         if not self.identity.on_cluster and not logging.getLogger().handlers:
             # Determined's harness configures logging on a cluster; locally train.log would stay empty
