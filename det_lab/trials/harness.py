@@ -153,6 +153,16 @@ def trial_config(info: Any) -> dict[str, Any]:
     return info.trial._config
 
 
+def raise_preemption_flag(preempt: Any) -> bool:
+    """Make ``preempt.should_preempt()`` answer yes on the chief, as a preemption signal would (and the
+    chief's answer is what every worker is given); False where this rank has no watcher."""
+    watcher = getattr(preempt, "_watcher", None)
+    if watcher is None:
+        return False
+    watcher._should_preempt = True
+    return True
+
+
 def core_context_of(pytorch_context: Any) -> Any:
     """The ``det.core.Context`` a ``PyTorchTrialContext`` trains with."""
     return pytorch_context._core

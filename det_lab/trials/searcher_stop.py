@@ -19,6 +19,8 @@ import logging
 import threading
 from typing import Any
 
+from det_lab.trials.harness import raise_preemption_flag
+
 log = logging.getLogger("det_lab")
 
 #: seconds between two looks at the trial's state (DET_LAB_SEARCHER_POLL)
@@ -50,11 +52,8 @@ class SearcherStopWatcher(threading.Thread):
                     continue
                 if self.stopped_by_searcher:
                     log.warning("det_lab: the searcher stopped this trial early: checkpointing and stopping")
-            if self.stopped_by_searcher:
-                # kept raised: the watcher's long poll writes its own answer back when it returns
-                watcher = getattr(self.preempt, "_watcher", None)
-                if watcher is not None:
-                    watcher._should_preempt = True
+            if self.stopped_by_searcher:  # kept raised: the watcher's long poll writes its answer back
+                raise_preemption_flag(self.preempt)
 
     def close(self) -> None:
         self._closing.set()

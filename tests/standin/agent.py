@@ -137,6 +137,11 @@ class HostRunner:
                 continue
             args += ["--symlink", os.readlink(path), path] if os.path.islink(path) else ["--bind", path, path]
         args += ["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp", "--tmpfs", "/run", "--bind", str(run), RUN_DIR]
+        # this Python's venv and the checkout its editable det_lab points at, wherever they lie (a CI clone
+        # under /tmp, which the task's private /tmp would hide)
+        for own in sorted({Path(self.python).parent.parent, Path(__file__).resolve().parents[2]}):
+            if str(own).startswith(("/tmp/", "/run/")):
+                args += ["--ro-bind", str(own), str(own)]
         storage = alloc.config.get("checkpoint_storage") or {}
         mounts = [(m["host_path"], m["container_path"], bool(m.get("read_only"))) for m in alloc.config.get("bind_mounts") or []]
         if storage.get("type") == "shared_fs":
