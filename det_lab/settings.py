@@ -128,6 +128,10 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_GPU_KIND": EnvVar(_text, "set in cluster tasks: the agent's GPU kind (e.g. rtx4090)"),
     "DET_LAB_LOCAL_CACHE": EnvVar(_path, "set in cluster tasks: the agent's local-disk cache mounted into every "
                                   "task (`tasks.local_cache`; gsplat's CUDA build in torch_extensions/)"),
+    "DET_LAB_ATTEMPT": EnvVar(_text, "set by the Slurm driver for its trial: <epoch>:<token> of the job start "
+                              "the trial belongs to (a stale copy writes nothing: trials/fence.py)"),
+    "DET_LAB_FENCE_POLL": EnvVar(_positive(float), "seconds between a Slurm trial's checks that it is still "
+                                 "its run's current attempt; default 5", "0"),
     "DET_LAB_SEARCHER_POLL": EnvVar(_positive(float), "seconds between a cluster trial's looks at whether "
                                     "the searcher stopped it early (adaptive_asha); default 10", "0"),
     "DET_LAB_UNTESTED_HARNESS": EnvVar(_text, "set in an experiment's environment_variables: its tasks go on "

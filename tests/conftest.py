@@ -58,7 +58,8 @@ _HOST_STATE = _host_state()
 # its own, and two slurmd on one machine share its cgroup tree.
 _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm", "test_slurm_run.py": "slurm",
                  "test_monitoring.py": "slurm", "test_slurm_accounting.py": "slurm",
-                 "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm"}
+                 "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm",
+                 "test_multinode_slurm.py": "slurm"}
 
 
 # The suite by cost (``python -m pytest -m unit`` runs the fast part alone; docs/verified.md has its time):

@@ -26,6 +26,8 @@ INTERNAL = {
     "det_lab.tracking.mlflow_backend.MlflowError",
     # private to the config checker: always caught and re-raised as PreflightError (a UserError)
     "det_lab.trials.validate._Fail",
+    # a stale copy of a run (a partitioned node's) stopping itself: nothing for a user to fix
+    "det_lab.trials.fence.StaleAttempt",
 }
 
 

@@ -96,7 +96,8 @@ def show(
         table.add_row("slurm job", f"{slurm.get('job_id')} in partition {slurm.get('partition')}, "
                                    f"{slurm.get('nodes')} node(s) x {slurm.get('gpus_per_node')} GPU(s)")
         for a in slurm.get("attempts") or []:
-            table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']})")
+            moved = f"; moved from {a['moved_from']}: {a['why']}" if a.get("moved_from") else ""
+            table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']}){moved}")
         table.add_row("job script", str(slurm.get("script")))
     for i, line in enumerate(d["gpu_efficiency"]):
         table.add_row("GPU efficiency" if i == 0 else "", line)

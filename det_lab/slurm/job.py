@@ -15,6 +15,13 @@ the run's latest checkpoint in the same tracker run.
 The driver (``python -m det_lab.slurm.job RUN_DIR``) runs once per node: the first node records
 the attempt and the outcome; ``slots_per_trial`` > 1 runs the trial under torchrun (one process
 per GPU; several nodes rendezvous at the first one).
+
+Fencing (:mod:`det_lab.trials.fence`): each start of the job takes the run's next attempt epoch
+before anything else, and its trial gets the attempt's token. Slurm may start a job again while an
+earlier copy still runs (a node cut off from the controller: its job is requeued after
+``SlurmdTimeout`` and started elsewhere, slurm.conf(5) SlurmdTimeout, sbatch(1) --requeue); the
+earlier copy then finds its attempt stale, stops, and its driver records nothing. A start of a job
+whose run already finished (a second completion of the job) does nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from det_lab.settings import load_settings
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.trials import local
+from det_lab.trials.fence import ATTEMPT_ENV, STALE_EXIT_CODE, Attempt, Fence, StaleAttempt, begin_attempt, read_attempt
 from det_lab.trials.record import open_record
 from det_lab.trials.run_state import RunStatus
 
@@ -133,8 +141,15 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
     if state.get("status") == RunStatus.FINISHED:
         print(f"det-lab: run {state['name']} already finished; nothing to do", flush=True)
         return 0
+    try:
+        current = _take_attempt(run) if first_node else _join_attempt(run)
+    except StaleAttempt as exc:
+        print(f"det-lab: this start of job {os.environ.get('SLURM_JOB_ID', '?')} is stale ({exc}); "
+              "it trains and records nothing", flush=True)
+        return 0
+    fence = Fence(run.dir, current.epoch, current.token)
     if first_node:
-        attempt = run.start_attempt()
+        attempt = run.start_attempt(current.epoch)
         if state.get("latest_checkpoint"):
             state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status=RunStatus.RUNNING.value)
             print(f"det-lab: resuming {state['name']} from checkpoint {state['latest_checkpoint']} "
@@ -147,8 +162,9 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
                             int(slurm.get("gpus_per_node", 0)), int(slurm.get("nodes", 1)), dict(os.environ))
     command = [*container, *command]  # the trial in the image; this driver stays on the node
     cwd = Path(state["cwd"])
+    env = {**local.trial_env(run, cwd, settings), ATTEMPT_ENV: current.env_value}
     with open(run.log_file, "ab") as log:
-        proc = subprocess.Popen(command, cwd=cwd, env=local.trial_env(run, cwd, settings), stdout=log,
+        proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
     def stop(signum, frame) -> None:  # noqa: ARG001 (signal handler signature)
@@ -158,10 +174,48 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
     for sig in (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT, *stop_signals):
         signal.signal(sig, stop)
     code = proc.wait()
+    if first_node and (code == STALE_EXIT_CODE or fence.current() is False):
+        now = read_attempt(run.dir)
+        print(f"det-lab: attempt {current.epoch} is stale: attempt {now.epoch if now else '?'} started on "
+              f"{now.node if now else '?'}; this copy stopped and records nothing", flush=True)
+        return 0
     if first_node:
+        run.end_attempt(current.epoch, code)
         status = local.record_exit(run, code)
         print(f"det-lab: trial {status} (exit code {code})", flush=True)
     return code
+
+
+def _this_start() -> tuple[str, int, str]:
+    """This start of the job as Slurm names it: job id, restart count, node."""
+    return (os.environ.get("SLURM_JOB_ID", ""), int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            os.environ.get("SLURMD_NODENAME", ""))
+
+
+def _take_attempt(run: SlurmRunRecord) -> Attempt:
+    """The first node: take the run's next attempt epoch (StaleAttempt if a later restart has it)."""
+    job_id, restart, node = _this_start()
+    return begin_attempt(run.dir, job_id, restart, node)
+
+
+def _join_attempt(run: SlurmRunRecord, timeout: float = 120.0) -> Attempt:
+    """Another node of the same start: the attempt the first node took (it writes it first)."""
+    import time
+
+    job_id, restart, _ = _this_start()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            now = read_attempt(run.dir)
+        except (OSError, ValueError):
+            now = None
+        if now is not None and now.job_id == job_id and now.restart >= restart:
+            if now.restart > restart:
+                raise StaleAttempt(f"restart {now.restart} of job {job_id} already runs")
+            return now
+        if time.monotonic() > deadline:
+            raise StaleAttempt(f"the first node did not take an attempt for restart {restart} in {timeout:.0f} s")
+        time.sleep(0.5)
 
 
 def main(argv: list[str] | None = None) -> int:

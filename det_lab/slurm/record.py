@@ -3,8 +3,10 @@
 Its directory ``<data root>/outputs/<project>/slurm-runs/<name>/`` holds what a local run's holds
 (``run.json``, ``train.log``, ``metrics.jsonl``, the tracking journal) plus the job script
 (``job.sbatch``, resubmittable as is) and Slurm's own output (``slurm-<job id>.out``). ``run.json``
-gains a ``slurm`` entry: the job id, and one attempt per start of the job (node, restart count),
-so a requeued job's history stays readable.
+gains a ``slurm`` entry: the job id, and one attempt per start of the job (node, restart count,
+attempt epoch, and how it ended), so a requeued job's history stays readable: a start that follows
+one that never recorded its end says where it moved from and why (``moved_from``, ``why``: the
+previous start's state in Slurm's accounting, such as NODE_FAIL).
 """
 
 from __future__ import annotations
@@ -40,15 +42,33 @@ class SlurmRunRecord(VolumeRunRecord):
     def set_job(self, job_id: str, **details: Any) -> None:
         self.update(slurm={**self.slurm(), "job_id": job_id, **details})
 
-    def start_attempt(self) -> dict[str, Any]:
-        """Record this start of the job (inside it): node, restart count, time."""
-        attempt = {"node": os.environ.get("SLURMD_NODENAME", ""), "job_id": os.environ.get("SLURM_JOB_ID", ""),
-                   "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
-                   "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    def start_attempt(self, epoch: int | None = None) -> dict[str, Any]:
+        """Record this start of the job (inside it): node, restart count, time, attempt epoch, and
+        where and why it moved when the previous start never recorded its end."""
+        attempt: dict[str, Any] = {
+            "node": os.environ.get("SLURMD_NODENAME", ""), "job_id": os.environ.get("SLURM_JOB_ID", ""),
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        if epoch is not None:
+            attempt["epoch"] = epoch
         slurm = self.slurm()
+        previous = (slurm.get("attempts") or [None])[-1]
+        if previous and "ended" not in previous:  # it died (or was cut off) without recording its end
+            if previous.get("node") != attempt["node"]:
+                attempt["moved_from"] = previous.get("node")
+            attempt["why"] = _why_restarted(previous, attempt)
         slurm["attempts"] = [*slurm.get("attempts", []), attempt]
         self.update(slurm=slurm)
         return attempt
+
+    def end_attempt(self, epoch: int, code: int) -> None:
+        """Record how the start with ``epoch`` ended (its trial's exit code), before the run's outcome."""
+        slurm = self.slurm()
+        for attempt in reversed(slurm.get("attempts") or []):
+            if attempt.get("epoch") == epoch:
+                attempt.update(ended=time.strftime("%Y-%m-%dT%H:%M:%S"), exit_code=code)
+                self.update(slurm=slurm)
+                return
 
     @classmethod
     def scheduler_listing(cls) -> Any:
@@ -88,3 +108,18 @@ class SlurmRunRecord(VolumeRunRecord):
         last = self._last_attempt()
         return {"slurm_job_id": self.job_id() or last.get("job_id"), "slurm_node": last.get("node"),
                 "slurm_restart": last.get("restart", 0)}
+
+
+def _why_restarted(previous: dict[str, Any], attempt: dict[str, Any]) -> str:
+    """Why the job started again after ``previous`` ended unrecorded: its state in Slurm's accounting
+    (``sacct --duplicates`` lists each start of a requeued job, sacct(1)), else what is known."""
+    from det_lab.slurm import submit
+
+    node = previous.get("node") or "?"
+    state = submit.previous_start_state(str(attempt.get("job_id") or ""))
+    cause = {"NODE_FAIL": f"node {node} stopped answering Slurm (NODE_FAIL)",
+             "REQUEUED": f"Slurm requeued it from node {node}",
+             "PREEMPTED": f"it was preempted on node {node}"}.get(state or "", f"its start on {node} ended "
+                                                                        f"without recording its end"
+                                                                        + (f" (Slurm: {state})" if state else ""))
+    return f"{cause}; Slurm started the job again (restart {attempt.get('restart')}) on {attempt.get('node')}"

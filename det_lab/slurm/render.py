@@ -9,7 +9,11 @@ What the files encode, and why:
   so two jobs on one machine cannot collide on a GPU (the first failure mode of sharing GPUs);
 - ``JobRequeue=1`` and no ``RequeueExit`` tricks: det_lab's job script requeues itself after the
   trial has checkpointed (see :mod:`det_lab.slurm.job`);
-- a requeued job waits ``cred_expire`` seconds (default 120) before it can start again.
+- a requeued job waits ``cred_expire`` seconds (default 120) before it can start again;
+- ``nodes_share_disk``: several slurmd on one machine (a test bed of namespaces, or one big machine
+  split into nodes) each need their own spool directory, pid file and log, so those paths carry
+  Slurm's ``%n`` (the node's name, expanded by slurmd: slurm.conf(5), SlurmdSpoolDir). slurmd does
+  not create its spool directory: make ``<spool_dir>/<node>`` for every node.
 """
 
 from __future__ import annotations
@@ -19,9 +23,13 @@ from det_lab.slurm.render_accounting import accounting_keys, billing_weights, re
 from det_lab.slurm.settings import SlurmSettings
 
 
-def slurm_conf_keys(slurm: SlurmSettings) -> dict[str, str]:
-    """The global keys of slurm.conf, ``extra`` applied last (it may replace any of them)."""
+def slurm_conf_keys(slurm: SlurmSettings, nodes_share_disk: bool = False) -> dict[str, str]:
+    """The global keys of slurm.conf, ``extra`` applied last (it may replace any of them).
+
+    ``nodes_share_disk``: slurmd's spool directory, pid file and log are per node (``%n``)."""
     logs = slurm.log_dir
+    node = "/%n" if nodes_share_disk else ""  # a directory per node under spool_dir
+    dash = "-%n" if nodes_share_disk else ""  # slurmd-<node>.pid, slurmd-<node>.log
     controller = slurm.controller + (f"({slurm.controller_addr})" if slurm.controller_addr else "")
     keys = {
         "ClusterName": slurm.cluster_name,
@@ -32,11 +40,11 @@ def slurm_conf_keys(slurm: SlurmSettings) -> dict[str, str]:
         "AuthType": "auth/munge",
         "CredType": "cred/munge",
         "StateSaveLocation": str(slurm.state_dir),
-        "SlurmdSpoolDir": str(slurm.spool_dir),
+        "SlurmdSpoolDir": f"{slurm.spool_dir}{node}",
         "SlurmctldPidFile": "/run/slurmctld.pid",
-        "SlurmdPidFile": "/run/slurmd.pid",
+        "SlurmdPidFile": f"/run/slurmd{dash}.pid",
         "SlurmctldLogFile": str(logs / "slurmctld.log"),
-        "SlurmdLogFile": str(logs / "slurmd.log"),
+        "SlurmdLogFile": str(logs / f"slurmd{dash}.log"),
         "ProctrackType": "proctrack/cgroup",
         "TaskPlugin": "task/cgroup,task/affinity",
         "SelectType": "select/cons_tres",
@@ -62,13 +70,14 @@ def _memory_mib(node) -> int | None:
     return int(node.memory) // 2**20 if node.memory else None
 
 
-def render_slurm_conf(slurm: SlurmSettings, lab: LabSettings | None = None) -> str:
-    """slurm.conf: the global keys, a NodeName line per machine, a PartitionName line per GPU kind."""
+def render_slurm_conf(slurm: SlurmSettings, lab: LabSettings | None = None, nodes_share_disk: bool = False) -> str:
+    """slurm.conf: the global keys, a NodeName line per machine, a PartitionName line per GPU kind
+    (``nodes_share_disk``: see :func:`slurm_conf_keys`)."""
     src = f" from {slurm.source}" if slurm.source else ""
     lines = [f"# slurm.conf rendered by 'det-lab slurm config'{src}; the same file on every node."]
     if lab is not None:
         lines.append(f"# Jobs read and write the lab volume at {lab.data_root}: mount it at that path on every node.")
-    lines += [f"{k}={v}" for k, v in slurm_conf_keys(slurm).items()]
+    lines += [f"{k}={v}" for k, v in slurm_conf_keys(slurm, nodes_share_disk).items()]
     lines.append("")
     for node in slurm.nodes:
         parts = [f"NodeName={node.name}"]
@@ -115,10 +124,11 @@ def render_cgroup_conf() -> str:
     ]) + "\n"
 
 
-def render_all(slurm: SlurmSettings, lab: LabSettings | None = None) -> dict[str, str]:
+def render_all(slurm: SlurmSettings, lab: LabSettings | None = None, nodes_share_disk: bool = False) -> dict[str, str]:
     """The files by name: slurm.conf, gres.conf, cgroup.conf, and with accounting job_submit.lua
-    (slurmdbd.conf holds a secret: :mod:`det_lab.slurm.render_accounting` writes it)."""
-    files = {"slurm.conf": render_slurm_conf(slurm, lab), "gres.conf": render_gres_conf(slurm),
+    (slurmdbd.conf holds a secret: :mod:`det_lab.slurm.render_accounting` writes it).
+    ``nodes_share_disk``: several slurmd on one machine (:func:`slurm_conf_keys`)."""
+    files = {"slurm.conf": render_slurm_conf(slurm, lab, nodes_share_disk), "gres.conf": render_gres_conf(slurm),
              "cgroup.conf": render_cgroup_conf()}
     if slurm.accounting is not None:
         files["job_submit.lua"] = render_job_submit_lua(slurm)

@@ -153,6 +153,20 @@ def job_state(job_id: str) -> dict[str, str] | None:
     return dict(kv.split("=", 1) for kv in first.split() if "=" in kv)
 
 
+def previous_start_state(job_id: str) -> str | None:
+    """The state Slurm's accounting gives the start of ``job_id`` before its current one (NODE_FAIL,
+    REQUEUED, ...): ``sacct --duplicates`` lists every start of a requeued job (sacct(1)). None without
+    accounting, or when sacct does not answer."""
+    if not job_id or shutil.which("sacct") is None:
+        return None
+    try:
+        proc = _slurm("sacct", "-j", job_id, "--duplicates", "-X", "-n", "-P", "-o", "State", timeout=10)
+    except SlurmError:
+        return None
+    states = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    return states[-2] if proc.returncode == 0 and len(states) >= 2 else None
+
+
 def array_states(job_id: str) -> dict[str, str]:
     """Array task id -> state, for the tasks Slurm still knows."""
     proc = _slurm("squeue", "-h", "--states=all", "-r", "-j", job_id, "-o", "%K|%T")

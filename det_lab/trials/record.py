@@ -259,9 +259,12 @@ class RunRecord:
             f.write(json.dumps({"group": group, "step": step, "metrics": fresh}) + "\n")
 
     def add_checkpoint(self, uuid: str, step: int) -> None:
-        """A complete checkpoint: it becomes the latest only now."""
+        """A complete checkpoint: it becomes the latest only now, and only if no later step is latest
+        already (a late report, such as a stale copy's after a partition, never moves it back)."""
         if self.keeps_progress:
             state = self.state()
+            if state.get("latest_checkpoint") and step < int(state.get("latest_checkpoint_step") or 0):
+                return
             state["latest_checkpoint"], state["latest_checkpoint_step"] = uuid, step
             state.setdefault("checkpoints", []).append({"uuid": uuid, "step": step})
             self.save(state)

@@ -29,7 +29,7 @@ from typing import Any
 from flufl.lock import NotLockedError
 
 from det_lab.errors import UserError
-from det_lab.data.lock import HostLock, LockTimeout, VolumeLock, pid_alive
+from det_lab.data.lock import DEFAULT_LIFETIME_S, HostLock, LockTimeout, VolumeLock, pid_alive
 from det_lab.settings import env_value
 from det_lab.trials.run_state import RunStatus
 
@@ -108,15 +108,21 @@ def break_stale(run_dir: Path, run_name: str) -> str | None:
     return f"run {run_name}: broke a stale lock: {holder.stale}"
 
 
-def hold(run_dir: Path, run_name: str) -> VolumeLock:
-    """Take ``run_dir``'s lock for this process until ``.__exit__``; :class:`RunBusy` when a live trainer has it."""
-    lock = VolumeLock(run_dir / LOCK_NAME, timeout=0)
+def hold(run_dir: Path, run_name: str, wait: float = 0.0) -> VolumeLock:
+    """Take ``run_dir``'s lock for this process until ``.__exit__``; :class:`RunBusy` when a live trainer
+    has it (still has it after ``wait`` seconds: a scheduler's new attempt waits for a stale copy to stop)."""
+    lock = VolumeLock(run_dir / LOCK_NAME, timeout=wait)
     try:
         lock.__enter__()
     except LockTimeout:
         holder = trainer(run_dir)
         raise (holder.busy(run_name) if holder else RunBusy(f"run {run_name} is still training")) from None
     return lock
+
+
+def lock_lifetime_s() -> float:
+    """The trainer lock's lifetime in seconds (``$DET_LAB_LOCK_LIFETIME``): a dead holder's lock expires after it."""
+    return float(env_value("DET_LAB_LOCK_LIFETIME", DEFAULT_LIFETIME_S))
 
 
 def die_with_parent(parent: int) -> Callable[[], None]:

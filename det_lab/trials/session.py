@@ -37,6 +37,7 @@ from det_lab.settings import LabSettings, env_value
 from det_lab.tracking import DeliverySummary, Mirror, open_mirror
 from det_lab.tracking.events import flatten
 from det_lab.tracking.null_mirror import NullMirror
+from det_lab.trials.fence import Fence
 from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.trials.gpu_sampler import DEFAULT_INTERVAL_S, GpuSampler
 from det_lab.trials.gpu_sampler import merge as merge_efficiency
@@ -46,7 +47,7 @@ from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
 from det_lab.trials.lineage import ENVIRONMENTS_DIR
 from det_lab.trials.record import RunRecord, record_for
-from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, parent_gone, watch_parent
+from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, lock_lifetime_s, parent_gone, watch_parent
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.lastuse import note_use
 from det_lab.volume import VolumeLayout, share_with_group
@@ -74,6 +75,8 @@ class LabSession:
         self.record: RunRecord = record_for(VolumeLayout.from_settings(settings), identity.project,
                                             identity.run.key, identity.record_dir)
         self.dataset: PulledDataset | None = None
+        #: a scheduler's attempt of the run (Slurm): a stale copy writes nothing and stops (trials.fence)
+        self.fence = Fence.from_env(identity.record_dir)
         self.mirror: Mirror | NullMirror = NullMirror(identity.run)
         self.lineage: dict[str, Any] = {}
         self.preempted = False
@@ -109,13 +112,17 @@ class LabSession:
         if not self.identity.on_cluster:
             signal.signal(signal.SIGTERM, self._request_preempt)
             watch_parent(self._parent_gone)
+        self.fence.watch()
         if self.is_chief and self.record.keeps_progress:  # a local-style run: one trainer at a time
-            try:
-                self._trainer_lock = hold(self.record.dir, self.identity.run.name)
+            try:  # a new attempt waits for a stale copy to stop (or a dead one's lock to expire)
+                self._trainer_lock = hold(self.record.dir, self.identity.run.name,
+                                          wait=self.fence.lock_wait_s(lock_lifetime_s()))
+                self.fence.on_stale.append(self._release_trainer_lock)
             except RunBusy as exc:  # a second --resume that passed det-lab run's check at the same time
                 print(f"error: {exc}", file=sys.stderr, flush=True)
                 raise SystemExit(BUSY_EXIT_CODE) from None
             # what runs list and the exporter show while it trains (a resumed run said "stopped")
+            self.fence.check("the run record")
             self.record.update(status=RunStatus.RUNNING.value)
             self._retain()  # a retention pass a kill interrupted is finished before training
         if self.identity.seed is not None:
@@ -175,15 +182,19 @@ class LabSession:
     # --- what harness.intercept calls --------------------------------------------------------------
 
     def on_metrics(self, group: str, step: int, metrics: dict[str, Any]) -> None:
+        if self.is_chief:  # the chief alone journals and records them
+            self.fence.check(f"{group} metrics of step {step}")
         self.mirror.log_metrics(group, step, metrics)
         if self.is_chief:
             self.record.append_metrics(group, step, metrics)
 
     def checkpoint_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
+        self.fence.check("a checkpoint")  # called before the checkpoint's files are written
         return {**metadata, "det_lab": self.lineage}
 
     def on_checkpoint(self, storage_id: str, metadata: dict[str, Any]) -> None:
         step = int(metadata.get("steps_completed", 0))
+        self.fence.check(f"the latest-checkpoint pointer (step {step})")
         self.mirror.log_checkpoint(storage_id, step, {"dataset.md5": self.lineage.get("dataset", {}).get("md5", "")})
         self.mirror.flush(timeout=2)
         self._note_dataset_use()
@@ -239,6 +250,7 @@ class LabSession:
         if status == "FINISHED" and self.preempted:
             status = "KILLED"
         if self.is_chief:
+            self.fence.check("the run's outcome")
             try:
                 self._stop_gpu_sampler()
             except Exception as exc:  # noqa: BLE001 (the efficiency summary never fails a trial)
@@ -252,10 +264,13 @@ class LabSession:
             if parent_gone():  # det-lab run died first: nobody else will record how the run ended
                 self.record.record_end(status={"FINISHED": RunStatus.FINISHED, "KILLED": RunStatus.STOPPED}.get(
                     status, RunStatus.FAILED).value)
-        if self._trainer_lock is not None:
-            self._trainer_lock.__exit__(None, None, None)
-            self._trainer_lock = None
+        self._release_trainer_lock()
         return summary
+
+    def _release_trainer_lock(self) -> None:
+        lock, self._trainer_lock = self._trainer_lock, None
+        if lock is not None:
+            lock.__exit__(None, None, None)
 
     def close_at_exit(self) -> DeliverySummary | None:
         """:meth:`close` from ``atexit`` (the legacy ``module:Class`` entrypoint, where Determined's

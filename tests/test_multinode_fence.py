@@ -1,0 +1,160 @@
+"""The fence of a run's attempts (det_lab.trials.fence) on one temporary volume, without Slurm: the
+attempt epoch taken by racing processes, a stale copy's write refused and the copy stopped, the
+latest-checkpoint pointer never moved back, a check that cannot read its file never stopping
+training, and a second completion of a finished job doing nothing."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from det_lab.trials.fence import (
+    ATTEMPT_ENV,
+    POLL_ENV,
+    STALE_EXIT_CODE,
+    Fence,
+    NullFence,
+    StaleAttempt,
+    begin_attempt,
+    read_attempt,
+)
+
+# a stand-in for a trial's chief: it writes a line per "step" to the run's file after the fence's
+# check, as LabSession checks before each metric, checkpoint and record write
+WRITER = """
+import os, sys, time
+from pathlib import Path
+from det_lab.trials.fence import Fence
+run_dir = Path(sys.argv[1])
+fence = Fence.from_env(run_dir)
+lock = run_dir / "trainer.lock.stand-in"
+lock.write_text(str(os.getpid()))
+fence.on_stale.append(lock.unlink)  # what the session releases: its trainer lock
+if sys.argv[2] == "watch":
+    fence.watch()
+go = run_dir / "go"
+while not go.exists():
+    time.sleep(0.01)
+for step in range(1, 100000):
+    if sys.argv[2] == "check":
+        fence.check(f"step {step}")
+    with open(run_dir / "writes.log", "a") as f:
+        f.write(f"{os.getpid()} {step}\\n")
+    time.sleep(0.02)
+"""
+
+
+def _writer(run_dir: Path, epoch_token: str, mode: str) -> subprocess.Popen:
+    env = {**os.environ, ATTEMPT_ENV: epoch_token, POLL_ENV: "0.1"}
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(run_dir), mode], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_racing_starts_each_take_their_own_epoch(tmp_path):
+    """Eight starts at once (eight processes): epochs 1..8 each once, the file the last one's."""
+    code = ("import sys, json; from pathlib import Path; from det_lab.trials.fence import begin_attempt; "
+            "a = begin_attempt(Path(sys.argv[1]), 'job', 0, sys.argv[2]); print(json.dumps([a.epoch, a.token]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"n{i}"], stdout=subprocess.PIPE,
+                              text=True) for i in range(8)]
+    taken = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert sorted(e for e, _ in taken) == list(range(1, 9))
+    now = read_attempt(tmp_path)
+    assert now is not None and [now.epoch, now.token] == max(taken)
+
+
+def test_a_later_restart_makes_an_earlier_one_stale(tmp_path):
+    begin_attempt(tmp_path, "41", 1, "b")
+    with pytest.raises(StaleAttempt, match="restart 1 of job 41 already runs on b"):
+        begin_attempt(tmp_path, "41", 0, "a")  # the first start, delayed: it must not take over
+    assert begin_attempt(tmp_path, "41", 2, "a").epoch == 2  # the next restart does
+
+
+def test_a_stale_copy_writes_nothing_after_the_new_attempt_started_and_stops(tmp_path):
+    """The old copy passes its check until the new attempt is taken; then its next write is refused
+    and it exits (code 76) after releasing its trainer lock."""
+    first = begin_attempt(tmp_path, "7", 0, "node-a")
+    old = _writer(tmp_path, first.env_value, "check")
+    (tmp_path / "go").touch()
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "writes.log").exists() or len((tmp_path / "writes.log").read_text().splitlines()) < 5:
+        assert time.monotonic() < deadline and old.poll() is None, old.communicate()[0]
+        time.sleep(0.02)
+    begin_attempt(tmp_path, "7", 1, "node-b")
+    written_when_taken = len((tmp_path / "writes.log").read_text().splitlines())
+    out = old.communicate(timeout=60)[0]
+    assert old.returncode == STALE_EXIT_CODE, out
+    lines = (tmp_path / "writes.log").read_text().splitlines()
+    # a check passed just before the new epoch landed may finish its one write: never more
+    assert len(lines) <= written_when_taken + 1
+    (line,) = [x for x in out.splitlines() if "stale" in x]
+    assert "attempt 1 of this run is stale: attempt 2 (job 7, restart 1) on node-b took over" in line
+    assert not (tmp_path / "trainer.lock.stand-in").exists()  # released for the new attempt
+
+
+def test_a_stale_copy_between_writes_is_stopped_by_its_watcher(tmp_path):
+    first = begin_attempt(tmp_path, "8", 0, "node-a")
+    old = _writer(tmp_path, first.env_value, "watch")  # writes without checking: only the watcher stops it
+    time.sleep(0.5)
+    begin_attempt(tmp_path, "8", 1, "node-b")
+    started = time.monotonic()
+    assert old.wait(timeout=30) == STALE_EXIT_CODE
+    assert time.monotonic() - started < 5  # within a few polls (0.1 s here)
+
+
+def test_the_latest_pointer_never_moves_backwards(tmp_path):
+    from det_lab.slurm.record import SlurmRunRecord
+
+    run = SlurmRunRecord(tmp_path)
+    run.save({"kind": "slurm", "name": "r", "latest_checkpoint": None, "checkpoints": []})
+    run.add_checkpoint("uuid-40", 40)
+    run.add_checkpoint("uuid-80", 80)
+    run.add_checkpoint("uuid-60-late", 60)  # a stale copy's report landing late
+    st = run.state()
+    assert (st["latest_checkpoint"], st["latest_checkpoint_step"]) == ("uuid-80", 80)
+    assert [c["step"] for c in st["checkpoints"]] == [40, 80]
+
+
+def test_a_check_that_cannot_read_the_attempt_never_stops_training(tmp_path, caplog):
+    """A volume hiccup (here: attempt.json unreadable) lets the write go ahead, with one warning."""
+    first = begin_attempt(tmp_path, "9", 0, "a")
+    fence = Fence(tmp_path, first.epoch, first.token, poll_s=0.1)
+    (tmp_path / "attempt.json").unlink()
+    (tmp_path / "attempt.json").mkdir()  # reading it fails with an OSError, as a lost mount does
+    with caplog.at_level(logging.WARNING, logger="det_lab.trials"):
+        assert fence.current() is None
+        fence.check("metrics of step 10")
+        fence.check("metrics of step 20")
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "writing anyway (a failed check never stops training)" in warning
+
+
+def test_a_trial_without_an_attempt_gets_the_null_fence(tmp_path):
+    fence = Fence.from_env(tmp_path, {})
+    assert isinstance(fence, NullFence) and not fence.active and fence.current() is True
+    assert fence.lock_wait_s(60) == 0 and fence.watch() is None
+    assert Fence.from_env(tmp_path, {ATTEMPT_ENV: "3:abc"}).active
+
+
+def test_a_second_completion_of_a_finished_job_does_nothing(tmp_path, monkeypatch, capsys):
+    """Slurm may run a job once more after a copy finished it ("batch completion sent from wrong
+    node"): the driver sees the run finished and neither takes an attempt nor writes the record."""
+    from det_lab.slurm.job import run_in_job
+    from det_lab.slurm.record import SlurmRunRecord
+
+    monkeypatch.setenv("DET_LAB_DATA_ROOT", str(tmp_path))
+    monkeypatch.setenv("SLURM_JOB_ID", "12")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "2")
+    run = SlurmRunRecord(tmp_path / "run")
+    run.dir.mkdir()
+    run.save({"kind": "slurm", "name": "done", "status": "finished", "slurm": {"job_id": "12"}})
+    before = run.run_file.read_bytes()
+    assert run_in_job(run) == 0
+    assert "run done already finished; nothing to do" in capsys.readouterr().out
+    assert run.run_file.read_bytes() == before and read_attempt(run.dir) is None
