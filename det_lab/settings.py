@@ -169,6 +169,11 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_NOTEBOOK_PROJECT": EnvVar(_text, "project notebook 03 compares runs of (default vla)"),
     "DET_LAB_NOTEBOOK_HPARAM": EnvVar(_text, "hyperparameter notebook 03 plots the metric against (default lr)"),
     "DET_LAB_NOTEBOOK_METRIC": EnvVar(_text, "metric notebook 03 compares (default validation/val_action_l1)"),
+    "HF_HOME": EnvVar(_path, "read only for where HF_DATASETS_CACHE defaults to in local and Slurm runs: every run "
+                      "and task gets HF_HOME=<data root>/models/hf, the model store (det_lab.models)"),
+    "HF_DATASETS_CACHE": EnvVar(_path, "kept for local and Slurm runs (default: the datasets/ of HF_HOME as it was "
+                                "before det_lab pointed HF_HOME at the model store); cluster tasks: the agent's "
+                                "local cache"),
     "DET_LAB_GPU_LEASE": EnvVar(_text, "set by `det-lab run --local` for its trial: the id of the GPU lease it "
                                 "holds (with CUDA_VISIBLE_DEVICES)"),
 }

@@ -18,6 +18,7 @@ from det_lab.cli import monitor_cmds
 from det_lab.cli import reproduce_cmd
 from det_lab.cli import watchdog_cmd
 from det_lab.cli import gpus_cmd
+from det_lab.cli import models_cmds
 from det_lab.cli.common import State, fail, report_user_error
 from det_lab.errors import UserError
 from det_lab.volume import share_with_group
@@ -79,6 +80,7 @@ app.command()(volume_cmds.init)
 app.command()(volume_cmds.config)
 app.command()(doctor_cmd.doctor)
 app.add_typer(data_cmds.app, name="data")
+app.add_typer(models_cmds.app, name="models")
 app.add_typer(volume_cmds.app, name="volume")
 app.command()(run_cmd.run)
 app.add_typer(tracking_cmds.app, name="tracking")

@@ -21,6 +21,11 @@ references, ``docs/reference/deploy/master-config-reference.rst`` and
   password is not: ``det deploy local`` passes ``DET_DB_PASSWORD`` to the master container, and
   the master reads that key (only keys it registers are read from ``DET_*`` variables:
   ``master/cmd/determined-master/init.go`` ~l.83-143).
+- The base models (``models/``: :mod:`det_lab.models`) are read-only in tasks through the root's
+  read-only mount; no mount of their own, since Docker refuses a task whose mount source is missing
+  (:mod:`det_lab.cluster.bind_sources`) and a volume made before the store has no ``models/``.
+  ``HF_HOME``, ``HF_HUB_CACHE`` and ``TORCH_HOME`` point at it with ``HF_HUB_OFFLINE=1``, and
+  ``HF_DATASETS_CACHE`` at the agent's local cache (the datasets library writes there).
 - ``task_container_defaults.environment_variables``: ``DET_LAB_CONFIG`` names the task copy of the
   lab config on the volume (:func:`publish_task_config`): a task's environment is only Determined's
   variables, these defaults and the experiment's (``master/pkg/tasks/task.go`` ~l.194-260), so
@@ -47,6 +52,7 @@ import yaml
 
 from det_lab.cluster.settings import ClusterSettings, PoolSettings
 from det_lab.errors import UserError
+from det_lab.models import run_environment
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
 
@@ -179,6 +185,8 @@ def environment_variables(lab: LabSettings, cluster: ClusterSettings) -> list[st
     env = [f"{ENV_DATA_ROOT}={lab.data_root}", f"DET_LAB_CONFIG={task_config_path(lab)}",
            f"DET_LAB_LOCAL_CACHE={cluster.tasks.local_cache}"]
     t = lab.tracking
+    # base models: the volume's store, read-only and offline; the datasets library's cache on the agent's disk
+    env += [f"{k}={v}" for k, v in run_environment(lab.data_root, cluster.tasks.local_cache).items()]
     env.append(f"DET_LAB_TRACKING={t.backend}")
     if t.mlflow_uri and t.mlflow_uri.startswith(REMOTE_MLFLOW_SCHEMES):
         env.append(f"MLFLOW_TRACKING_URI={t.mlflow_uri}")

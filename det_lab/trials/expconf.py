@@ -9,17 +9,19 @@ A template's config carries det_lab's settings under ``data.det_lab`` (Determine
         dataset: vla-demo                  # a registered name, {repo:, path:, rev:}, or {dir:}
         tracking: mlflow                   # optional: overrides the lab config's backend
         max_length: {batches: 600}         # training length (ASHA's max_time wins when set)
+        base_model: lerobot/smolvla_base   # optional: hub ids the run loads from the volume's model store
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import ValidationError, model_validator
+from pydantic import ValidationError, field_validator, model_validator
 
 from det_lab.errors import UserError
 from det_lab.data import DatasetSpec
 from det_lab.data.directory import DirectorySpec
+from det_lab.models import check_name
 from det_lab.settings import StrictModel
 
 
@@ -64,6 +66,19 @@ class LabTrialConfig(StrictModel):
     tracking: Literal["mlflow", "aim", "both", "none"] | None = None
     max_length: Length | None = None
     reporting_batches: int | None = None  # how often training metrics are reported (default 100)
+    base_model: str | list[str] | None = None  # hub ids in det_lab.models' store; the lineage names their revisions
+
+    @field_validator("base_model")
+    @classmethod
+    def _hub_ids(cls, v: str | list[str] | None) -> str | list[str] | None:
+        for name in [v] if isinstance(v, str) else v or []:
+            check_name(name)
+        return v
+
+    @property
+    def base_models(self) -> list[str]:
+        """The hub ids ``base_model`` names (none, one or several)."""
+        return [self.base_model] if isinstance(self.base_model, str) else list(self.base_model or [])
 
     def dataset_spec(self, lookup) -> DatasetSpec | DirectorySpec | None:
         """The spec to pull: a registered name is resolved through ``lookup(name)``."""
@@ -90,6 +105,12 @@ def lab_section(exp_conf: dict[str, Any], source: str = "experiment config") -> 
         err = exc.errors()[0]
         key = ".".join(["data", "det_lab", *(str(p) for p in err["loc"])])
         raise ExpConfError(f"{source}: {key}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def base_models_of(exp_conf: dict[str, Any]) -> list[str]:
+    """The base models an experiment config names (``data.det_lab.base_model``); none without one."""
+    section = (exp_conf.get("data") or {}).get("det_lab") or {}
+    return lab_section(exp_conf).base_models if isinstance(section, dict) and section.get("base_model") else []
 
 
 def project_of(exp_conf: dict[str, Any]) -> str:

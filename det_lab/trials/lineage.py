@@ -14,7 +14,10 @@ the parts that let a run be rebuilt, its code and its Python environment:
   per distinct environment as ``<data root>/outputs/<project>/environments/<hash>.txt`` and
   referenced by that hash.
 
-Both are best effort: lineage never stops a trial (a failure leaves the entry out).
+Both are best effort: lineage never stops a trial (a failure leaves the entry out). The base models
+the config names (``data.det_lab.base_model``) are the exception: :func:`models_lineage` records the
+revision of each that the run loads, and a missing one stops the trial, before it trains, with the
+line naming its import.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from det_lab import __version__
 from det_lab.compat import DETERMINED_VERSION
 from det_lab.data import PulledDataset
 from det_lab.data.git import describe_commit
+from det_lab.models import require_model
+from det_lab.settings import LabSettings, load_settings
+from det_lab.trials.expconf import base_models_of
 from det_lab.trials.identity import TrialIdentity
 from det_lab.trials.record import RunRecord
 from det_lab.volume import atomic_write_text
@@ -276,7 +282,25 @@ def collect_lineage(identity: TrialIdentity, dataset: PulledDataset | None, reco
             pass
     if dataset is not None:
         lineage["dataset"] = asdict(dataset.identity)
+    models = models_lineage(identity.exp_conf or {})
+    if models:
+        lineage["models"] = models
     return {k: v for k, v in lineage.items() if v is not None}
+
+
+def models_lineage(exp_conf: dict[str, Any], settings: LabSettings | None = None) -> list[dict[str, Any]]:
+    """Name, revision and hub commit of each base model ``exp_conf`` names, as the volume's store
+    serves it now (what ``from_pretrained`` loads offline); :class:`~det_lab.models.ModelMissing`
+    for one that is not there."""
+    names = base_models_of(exp_conf)
+    if not names:
+        return []
+    settings = settings or load_settings()
+    out = []
+    for name in names:
+        model = require_model(settings, name)
+        out.append({"name": model.name, "revision": model.revision, "hub_commit": model.hub_commit})
+    return out
 
 
 def _template_of(record: RunRecord) -> str | None:

@@ -28,6 +28,7 @@ from typing import Any
 from det_lab.errors import UserError
 from det_lab import templates
 from det_lab.data.git import describe_commit
+from det_lab.models import SHADOWING, run_environment
 from det_lab.settings import LabSettings, read_yaml_mapping
 from det_lab.trials.expconf import ExpConfError, lab_section, training_length
 from det_lab.trials.identity import LOCAL_RUN_ENV
@@ -208,8 +209,9 @@ def _find_run(root: Path, template: str, name: str | None) -> LocalRunRecord:
 
 def trial_env(run: LocalRunRecord, cwd: Path, settings: LabSettings) -> dict[str, str]:
     """The environment a local-style run's trial process starts with."""
-    env = {**os.environ, LOCAL_RUN_ENV: str(run.run_file), "PYTHONUNBUFFERED": "1",
-           "DET_LAB_DATA_ROOT": str(settings.data_root)}
+    # base models from the volume's store, offline (det_lab.models): Slurm jobs start from this too
+    env = {**{k: v for k, v in os.environ.items() if k not in SHADOWING}, **run_environment(settings.data_root),
+           LOCAL_RUN_ENV: str(run.run_file), "PYTHONUNBUFFERED": "1", "DET_LAB_DATA_ROOT": str(settings.data_root)}
     if settings.source is not None:
         env["DET_LAB_CONFIG"] = str(settings.source)
     commit = describe_commit(cwd)
