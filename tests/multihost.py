@@ -31,6 +31,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -63,14 +64,20 @@ SLURMD_TIMEOUT = 5
 #: lasts this long, and the next round waits for it
 MESSAGE_TIMEOUT = 4
 #: a host's script: its hostname, /etc/hosts, private /tmp and /run, the volume; then the command
-_HOST_SH = """h=$1; hosts=$2; data=$3; shift 3
+#: Software under /tmp (a CI clone and its venv) is bound into the new /tmp at the same path, as a
+#: machine's image would have it: the tmpfs is filled on a free mount point, then moved over /tmp.
+_HOST_SH = """h=$1; hosts=$2; data=$3; spare=$4; keep=$5; shift 5
 hostname "$h"
 mount --bind "$hosts" /etc/hosts
-mount -t tmpfs -o size=256m,mode=1777 dltmp /tmp
+mount -t tmpfs -o size=256m,mode=1777 dltmp "$spare"
+for k in $keep; do mkdir -p "$spare/${k#/tmp/}"; mount --bind "$k" "$spare/${k#/tmp/}"; done
+mount --move "$spare" /tmp
 mount -t tmpfs -o size=16m,mode=755 dlrun /run
 mount --bind "$data" "$data"
 exec "$@"
 """
+#: what the hosts run: this Python's venv and the checkout (det_lab installed editable from it)
+_SOFTWARE = sorted({Path(sys.prefix), Path(__file__).resolve().parents[1]})
 
 
 @dataclass(frozen=True)
@@ -103,7 +110,8 @@ class MultiHostCluster(SlurmCluster):
         """``argv`` as a process of ``host``."""
         return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
                 "private", "--", "sh", "-c", _HOST_SH, "sh", host.name, str(self.dir / "etc" / "hosts"),
-                str(self.data_root), *argv]
+                str(self.data_root), str(self.dir / "host-tmp"),
+                " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/")), *argv]
 
     def start_daemon(self, name: str) -> subprocess.Popen:
         argv, log = self.argvs[name]
@@ -212,7 +220,7 @@ def start_bed(base: Path) -> MultiHostCluster:
     net = f"10.213.{n % 250}"
     names = [f"dl{n}h0", f"dl{n}a", f"dl{n}b"]
     hosts = [Host(i, f"dl{n}h{i}", names[i], f"{net}.{i + 1}", f"dl{n}v{i}") for i in range(3)]
-    for sub in ("etc", "state", "spool", "log", "munge", "dev", "data"):
+    for sub in ("etc", "state", "spool", "log", "munge", "dev", "data", "host-tmp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     for h in hosts[1:]:
         (base / "spool" / h.name).mkdir()  # slurmd does not create its spool directory

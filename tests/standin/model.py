@@ -12,7 +12,7 @@ from typing import Any
 class Allocation:
     """One allocation of one trial: the agent starts one container per slot group (one here)."""
 
-    master_url: str  # DET_MASTER as the task sees it
+    master_url: str  # where the master listens on this machine (the task gets the agent's address for it)
     experiment_id: int
     trial_id: int
     trial_run_id: int  # DET_TRIAL_RUN_ID: 1, then one more on every restart/resume
