@@ -2,7 +2,8 @@
 
     policy:
       name: act                 # det_lab (the template's own transformer) or a LeRobot policy type
-      pretrained: null          # or a local directory holding a LeRobot ``pretrained_model/``
+      pretrained: null          # or a hub id in the volume's model store (lerobot/smolvla_base),
+                                # or a local directory holding a LeRobot ``pretrained_model/``
       dim_model: 64             # any other key: a field of LeRobot's policy config (ACTConfig, ...)
 
 The policy type is ``name`` (as LeRobot's policy classes name themselves: ``ACTPolicy.name``), not
@@ -31,7 +32,7 @@ class PolicyChoice:
     """Which policy a trial trains: its type, the pretrained model it starts from, its config keys."""
 
     type: str = DEFAULT_TYPE
-    pretrained: Path | None = None
+    pretrained: Path | str | None = None  # a directory, or a hub id the volume's model store serves
     overrides: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -45,7 +46,7 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
 
     Raises:
         PolicyError: a section that is not a mapping, a non-string ``name``, a
-            ``pretrained`` that is not a local directory holding ``config.json``, or config keys
+            ``pretrained`` that is neither a hub id nor a local directory holding ``config.json``, or config keys
             given to the default policy (whose sizes live under ``hyperparameters.model``).
     """
     if section is None:
@@ -64,19 +65,35 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
     return PolicyChoice(kind, _pretrained(section.get("pretrained"), kind), overrides)
 
 
-def _pretrained(value: Any, kind: str) -> Path | None:
+def _pretrained(value: Any, kind: str) -> Path | str | None:
     if value is None or value == "":
         return None
     if kind == DEFAULT_TYPE:
         raise PolicyError("hyperparameters.policy.pretrained needs a LeRobot policy type (policy.name)")
     if not isinstance(value, str):
-        raise PolicyError(f"hyperparameters.policy.pretrained must be a directory path, got {value!r}")
+        raise PolicyError(f"hyperparameters.policy.pretrained must be a hub id or a directory path, got {value!r}")
     path = Path(value).expanduser()
     if not path.is_dir():
-        # hub ids come with the volume's model store; until then a downloaded snapshot is a directory
-        raise PolicyError(f"hyperparameters.policy.pretrained: {value} is not a local directory; pass the "
-                          "directory of a LeRobot pretrained_model/ (config.json, model.safetensors)")
+        if is_hub_id(value):  # served offline from the volume's model store (checked before a run starts)
+            return value
+        raise PolicyError(f"hyperparameters.policy.pretrained: {value} is not a local directory nor a hub id "
+                          "(org/name); pass a model of the volume's store (det-lab models list) or the directory "
+                          "of a LeRobot pretrained_model/ (config.json, model.safetensors)")
     if not (path / "config.json").is_file():
         raise PolicyError(f"hyperparameters.policy.pretrained: {path} has no config.json; pass the directory "
                           "of a LeRobot pretrained_model/ (a det_lab checkpoint's pretrained_model/ is one)")
     return path.resolve()
+
+
+def is_hub_id(value: str) -> bool:
+    """Whether ``value`` reads as a hub model id ``org/name`` rather than a path."""
+    from det_lab.models import ModelStoreError
+    from det_lab.models.layout import check_name
+
+    if value.startswith(("/", ".", "~")):
+        return False
+    try:
+        check_name(value)
+    except ModelStoreError:
+        return False
+    return True

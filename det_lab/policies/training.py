@@ -246,6 +246,19 @@ def check_features(cfg: Any, meta: DatasetMeta) -> None:
                           f"(its features: {has})") from None
 
 
+def check_pretrained_sizes(cfg: Any, meta: DatasetMeta) -> None:
+    """Refuse a dataset whose state or action size the pretrained model was not trained with
+    (:func:`det_lab.trials.base_models.check_sizes`), before its weights are loaded."""
+    from det_lab.trials.base_models import SizeMismatch, check_sizes
+
+    base = {"input_features": cfg.input_features, "output_features": cfg.output_features,
+            "max_state_dim": getattr(cfg, "max_state_dim", None), "max_action_dim": getattr(cfg, "max_action_dim", None)}
+    try:
+        check_sizes(base, meta.features, str(cfg.pretrained_path), str(meta.root))
+    except SizeMismatch as exc:
+        raise PolicyError(str(exc)) from None
+
+
 def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | torch.device = "cpu",
                    total_steps: int, wrap_model: Wrap = _same, wrap_optimizer: Wrap = _same,
                    wrap_scheduler: Wrap = _same) -> LeRobotTraining:
@@ -263,6 +276,8 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
     device_type = torch.device(device).type
     cfg = make_config(choice, device_type)
     check_features(cfg, meta)
+    if cfg.pretrained_path is not None:
+        check_pretrained_sizes(cfg, meta)
     policy = make_policy(cfg, ds_meta=meta)
     model = wrap_model(policy)
     processor_kwargs: dict[str, Any] = {"dataset_stats": meta.stats}

@@ -44,6 +44,7 @@ from det_lab.trials.gpu_sampler import merge as merge_efficiency
 from det_lab.trials.searcher_stop import DEFAULT_POLL_S, SearcherStopWatcher, watch_searcher_stops
 from det_lab.trials.harness import intercept
 from det_lab.trials.identity import TrialIdentity
+from det_lab.trials.base_models import check_base_models
 from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
 from det_lab.trials.lineage import ENVIRONMENTS_DIR
 from det_lab.trials.record import RunRecord, record_for
@@ -105,6 +106,10 @@ class LabSession:
         # an unknown project: one line before anything is pulled, written or mirrored (on a cluster no
         # 'det-lab run' preflight ran: the config came through det experiment create or the Web UI)
         self.settings.project(self.identity.project)
+        # a base model, tokenizer or backbone file the volume lacks: one line naming its import,
+        # before the dataset is pulled (on a cluster no preflight ran)
+        check_base_models(self.settings, self.identity.exp_conf or {}, self.identity.hparams,
+                          source="experiment config")
         share_with_group()  # what the trial writes on the volume stays the group's, whatever the umask
         if not self.identity.on_cluster and not logging.getLogger().handlers:
             # Determined's harness configures logging on a cluster; locally train.log would stay empty

@@ -13,7 +13,10 @@ the key and the fix) at the first problem:
    for their JSON type only. The tests compare these verdicts with the schemas themselves;
 3. the dataset: a registered name that exists, a repository and revision that resolve, and room
    under the project's quota for what a pull would fetch;
-4. that the volume's directories a run writes to are writable.
+4. the base models, tokenizers and backbone weights it loads, in the volume's model store
+   (:mod:`det_lab.trials.base_models`), and a dataset already on the volume whose state or action
+   size differs from the pretrained policy's;
+5. that the volume's directories a run writes to are writable.
 """
 
 from __future__ import annotations
@@ -273,7 +276,8 @@ def preflight(exp_conf: Mapping[str, Any], settings: LabSettings, source: str = 
 
     ``source`` names the config in the message (its path)."""
     lab = check_config(exp_conf, source)
-    _datasets(lab, settings, source)
+    dataset_root = _datasets(lab, settings, source)
+    _base_models(exp_conf, settings, source, dataset_root)
     _writable(lab.project, settings)
 
 
@@ -313,7 +317,8 @@ def _lab_section(exp_conf: Mapping[str, Any], source: str):
     return lab
 
 
-def _datasets(lab, settings: LabSettings, source: str) -> None:
+def _datasets(lab, settings: LabSettings, source: str) -> Path | None:
+    """Check the dataset; returns its directory when it is already on the volume (else None)."""
     from det_lab.data import DataError, DatasetSpec, lookup
     from det_lab.data.pull import _bytes_missing, _Out
     from det_lab.data.status import resolve
@@ -324,19 +329,42 @@ def _datasets(lab, settings: LabSettings, source: str) -> None:
     except LabConfigError as exc:
         raise PreflightError(f"{source}: data.det_lab.project: {exc}") from None
     if lab.dataset is None:
-        return
+        return None
     try:
         spec = lab.dataset_spec(lambda name: lookup(settings, name))
         if not isinstance(spec, DatasetSpec):  # a directory read in place: it must be on the volume
-            spec.resolve(settings)
-            return
+            return Path(spec.resolve(settings))
         identity = resolve(spec)  # repository, revision and DVC path exist
         layout = VolumeLayout.from_settings(settings)
         out = _Out(identity.md5, identity.size, identity.nfiles)
-        if not (layout.snapshots(spec.project) / out.stem / "snapshot.json").is_file():
-            check_quota(settings, spec.project, _bytes_missing(layout.dvc_cache(spec.project), out))
+        snapshot = layout.snapshots(spec.project) / out.stem
+        if (snapshot / "snapshot.json").is_file():
+            return snapshot / Path(spec.path).name  # where a pull serves it (det_lab.data.pull)
+        check_quota(settings, spec.project, _bytes_missing(layout.dvc_cache(spec.project), out))
     except (DataError, QuotaExceeded) as exc:
         raise PreflightError(f"{source}: data.det_lab.dataset: {exc}") from None
+    return None
+
+
+def _base_models(exp_conf: Mapping[str, Any], settings: LabSettings, source: str, dataset_root: Path | None) -> None:
+    from det_lab.models import ModelMissing
+    from det_lab.trials.base_models import SizeMismatch, check_base_models, check_sizes, policy_sections
+    from det_lab.trials.base_models import pretrained_config
+
+    try:
+        check_base_models(settings, exp_conf, source=source)
+        info = dataset_root / "meta" / "info.json" if dataset_root is not None else None
+        if info is None or not info.is_file():
+            return  # a dataset not pulled yet: the trial checks its sizes before it trains
+        import json
+
+        features = json.loads(info.read_text()).get("features") or {}
+        for section in policy_sections(exp_conf.get("hyperparameters")):
+            base = pretrained_config(settings, section.get("pretrained"))
+            if base is not None:
+                check_sizes(base, features, str(section["pretrained"]), f"{source}: hyperparameters.policy.pretrained")
+    except (ModelMissing, SizeMismatch) as exc:
+        raise PreflightError(str(exc)) from None
 
 
 def _writable(project: str, settings: LabSettings) -> None:
