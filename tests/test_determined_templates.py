@@ -49,6 +49,7 @@ class DetCluster:
         self.mlflow_uri, self.task_mlflow_uri = mlflow_uri, f"http://lab-mlflow:{port}"
         cluster = ClusterSettings(tasks={"local_cache": str(lab.base / "agent-cache")})
         prepare_local_cache(lab.settings, cluster)  # what 'cluster agent-up' makes
+        self.cluster = cluster
         self.config = render_master(lab.settings, cluster)
         a = lab.a
         self.master = Master(self.config, searcher_factory=SEARCHER, agent_user_group={
@@ -389,3 +390,109 @@ def test_a_notebook_submits_through_the_sdk_and_reads_the_best_checkpoint_in_pla
     best = notebook.best_checkpoint(result)
     assert best is not None and best.step == 20 and best.path is not None and (best.path / "state_dict.pth").is_file()
     assert str(best.path).startswith(str(det_cluster.lab.data))  # in place on the volume, not downloaded
+
+
+def test_the_web_uis_resume_current_trial_continues_a_completed_trial_to_the_longer_runs_losses(det_cluster, vla_run):
+    """ExperimentContinueModal.tsx:201-232,256-270 (Resume Current Trial: the experiment's config, edited,
+    without project and workspace) -> apiConfig.ts:698-707 continueExperiment -> api_experiment.go:1441-1590
+    ContinueExperiment: the COMPLETED trial goes on under its own id from its latest checkpoint
+    (experiment.go:724-745, trial.go:340-367) with the new length; the added steps are the uninterrupted
+    longer run's. A changed searcher is refused in one line (:1398-1401) and changes nothing."""
+    from determined.common.api import bindings, errors
+
+    conf = _vla_conf()
+    conf["data"]["det_lab"]["max_length"] = {"batches": 40}
+    conf["hyperparameters"]["lr_schedule_batches"] = 60  # the schedule of the reference (vla_run: 60 batches)
+    exp_id = det_cluster.create("vla", conf)
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output(exp_id)
+    (trial,) = det_cluster.trials(exp_id)
+    sess = det_cluster.session()
+    edited = {k: v for k, v in bindings.get_GetExperiment(sess, experimentId=exp_id).config.items()
+              if k not in ("project", "workspace")}
+    edited["data"]["det_lab"]["max_length"] = {"batches": 60}
+
+    search = {**edited, "searcher": {**edited["searcher"], "name": "random", "max_trials": 2}}
+    with pytest.raises(errors.APIException) as refused:
+        bindings.post_ContinueExperiment(sess, body=bindings.v1ContinueExperimentRequest(
+            id=exp_id, overrideConfig=yaml.safe_dump(search)))
+    assert refused.value.response_error["error"] == "override config must have single searcher type got 'random' instead"
+    exp = det_cluster.master.state.experiments[exp_id]
+    assert exp.state == "COMPLETED" and exp.config["data"]["det_lab"]["max_length"] == {"batches": 40}
+
+    bindings.post_ContinueExperiment(sess, body=bindings.v1ContinueExperimentRequest(
+        id=exp_id, overrideConfig=yaml.safe_dump(edited)))
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output(exp_id)
+    assert det_cluster.trials(exp_id) == [trial] and trial.run_id == 2  # the same trial, one more run
+    second = [m.total_batches for m in det_cluster.master.state.metrics
+              if m.trial_id == trial.id and m.trial_run_id == 2 and m.group == "training"]
+    assert second == [50, 60]  # from its checkpoint at 40, not from the first batch
+    for group in ("training", "validation"):
+        continued = dict(_master_metrics(det_cluster, trial)[group])
+        reference = dict(_master_metrics(det_cluster, vla_run[1])[group])
+        assert sorted(continued) == sorted(reference)
+        key = "loss" if group == "training" else "val_loss"
+        for step in sorted(reference):
+            assert continued[step][key] == reference[step][key], (group, step)
+
+
+def _apply_template(cluster: DetCluster, name: str, conf: dict[str, Any]) -> None:
+    """``det-lab cluster template --apply``'s registration (det_lab/cluster/config_template.py, through
+    Determined's ``det template create/set-value``)."""
+    from det_lab.cluster.config_template import apply_template
+
+    path = cluster.lab.base / f"template-{name}-{uuid.uuid4().hex[:4]}.yaml"
+    path.write_text(yaml.safe_dump(conf))
+    apply_template(str(DET), cluster.master.url, name, path, cluster.env)
+
+
+def test_the_web_uis_jupyterlab_preview_is_the_lab_template_merged_as_the_master_merges_it(det_cluster):
+    """utils/jupyter.ts:46-64 previewJupyterLab (apiConfig.ts:2099-2107: POST /api/v1/notebooks with
+    the dialog's name, pool and slots, ``preview``, ``templateName``) -> api_notebook.go:236-282
+    LaunchNotebook, api_command.go:60-179 getCommandLaunchParams: model.DefaultConfig from the
+    task-container defaults (command_config.go:23-40), the template unmarshalled over it (its variables
+    appended after the defaults': environment_config.go:121-148; its bind mounts first:
+    experiment_config.go:175-196), the dialog's fields, the pool's default priority, the template's
+    idle timeout as Go prints a duration; nothing is launched."""
+    from determined.common.api import bindings
+
+    from det_lab.cluster.render import bind_mounts, environment_variables, render_notebook_template
+
+    settings, cluster = det_cluster.lab.settings, det_cluster.cluster
+    _apply_template(det_cluster, "det-lab-notebook", render_notebook_template(settings, cluster))
+    resp = bindings.post_LaunchNotebook(det_cluster.session(), body=bindings.v1LaunchNotebookRequest(
+        config={"description": "grasping", "resources": {"slots": 0}}, preview=True, templateName="det-lab-notebook"))
+    env = environment_variables(settings, cluster)
+    assert cluster.notebooks.idle_timeout == "2h" and cluster.images.task is None
+    assert resp.config == {
+        "description": "grasping", "bind_mounts": bind_mounts(settings, cluster),
+        "environment": {
+            "image": {"cpu": "determinedai/pytorch-ngc-dev:0736b6d", "cuda": "determinedai/pytorch-ngc-dev:0736b6d",
+                      "rocm": "determinedai/environments:rocm-5.6-pytorch-1.3-tf-2.10-rocm-mpich-0736b6d"},
+            "environment_variables": {device: env + env for device in ("cpu", "cuda", "rocm")},
+            "proxy_ports": None, "ports": None, "force_pull_image": False, "pod_spec": None,
+            "add_capabilities": None, "drop_capabilities": None},
+        "resources": {"slots": 0, "weight": 1, "resource_pool": "default", "priority": 42, "is_single_node": None,
+                      "devices": None},
+        "entrypoint": None, "idle_timeout": "2h0m0s", "notebook_idle_type": "kernels_or_terminals",
+        "work_dir": None, "debug": False, "pbs": {}, "slurm": {}}
+    assert any(e.startswith("DET_LAB_CONFIG=") for e in env) and not det_cluster.master.state.commands
+
+
+def test_det_cmd_run_with_the_lab_template_runs_as_the_linked_member_and_knows_the_lab(det_cluster):
+    """cli/command.py:13-45 run_command (api_command.go LaunchCommand, then the task's logs followed to
+    its end); the task through command-entrypoint.sh (prep_container --proxy --download_context_directory,
+    the hooks, ``sh -c`` of one argument) in the task stand-in, as the linked uid:gid, with the merged
+    config's mounts and variables: det_lab inside it finds the lab's project and dataset."""
+    from det_lab.cluster.render import render_task_template, task_config_path
+
+    lab = det_cluster.lab
+    _apply_template(det_cluster, "det-lab", render_task_template(lab.settings, det_cluster.cluster))
+    script = "id -u; echo LAB=$DET_LAB_CONFIG; python3 -c 'from det_lab.cli.app import main; main()' data list"
+    proc = det_cluster.det("cmd", "run", "--template", "det-lab", script)
+    (cmd,) = det_cluster.master.state.commands.values()
+    assert cmd.exit_status == "command exited successfully", proc.stdout + det_cluster.task_output()[-3000:]
+    # the task's output, as det cmd run prints its log lines: "[time] container || LEVEL: message"
+    lines = [ln.split(" || ", 1)[1].split(": ", 1)[1] for ln in proc.stdout.splitlines() if " || " in ln]
+    assert str(lab.a.uid) in lines and f"LAB={task_config_path(lab.settings)}" in lines, proc.stdout
+    (row,) = [line for line in lines if "grasping" in line]
+    assert "2.0 GiB" in row and "grasp-frames" in row, proc.stdout

@@ -88,7 +88,9 @@ class VLATrial(LabPyTorchTrial):
         stats = {k: full.norm_stats(k) for k in ("observation.state", "action", *full.cameras) if k in full.stats}
         self.model = context.wrap_model(apply_speed_switches(VLAPolicy(self.cfg, stats, full.cameras), hp))
         self.opt = context.wrap_optimizer(build_optimizer(self.model, hp))
-        total = self._total_batches()
+        # lr_schedule_batches fixes the schedule's length, so that a run continued to a longer
+        # max_length trains as one run of that length would have (default: this run's length)
+        total = int(hp.get("lr_schedule_batches") or self._total_batches())
         warmup = min(int(hp.get("warmup_batches", 0)), total // 2)
         self.sched = context.wrap_lr_scheduler(
             torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(warmup, total)),

@@ -102,14 +102,15 @@ class Master:
                  searcher_factory: Callable[[dict[str, Any], int], Any] | None = None,
                  stop_preempts: bool = False, det_user: str = "determined",
                  agent_user_group: dict[str, Any] | None = None) -> None:
-        from tests.standin import master_client_api, master_task_api
+        from tests.standin import master_client_api, master_ntsc, master_task_api, master_webui_api
 
         if searcher_factory is None:
             searcher_factory = _make_searcher
         self.config = dict(config or {})
         self.state = State(self.config, searcher_factory, stop_preempts=stop_preempts)
         self.cluster_id, self.master_id = str(uuid.uuid4()), str(uuid.uuid4())
-        self.routes: list[Route] = master_client_api.ROUTES + master_task_api.ROUTES
+        self.routes: list[Route] = (master_client_api.ROUTES + master_task_api.ROUTES + master_webui_api.ROUTES
+                                    + master_ntsc.ROUTES)
         self.unserved: list[str] = []
         self.state.add_user("admin", admin=True)
         self.state.add_user(det_user, admin=True, agent_user_group=agent_user_group)

@@ -418,13 +418,17 @@ def trial_logs(req: Request) -> Stream:
         view = task_log_view(n, log)
         return {k: view[k] for k in ("id", "timestamp", "message", "level", "agentId", "containerId", "rankId",
                                      "log", "source", "stdtype")} | {"trialId": trial.id}
-    return Stream(follow_logs(req, [trial.task_id], lambda: trial.state in TERMINAL, wrap))
+    task_ids = [t for t, owner in req.master.state.task_trials.items() if owner is trial]  # a continued trial's too
+    return Stream(follow_logs(req, task_ids, lambda: trial.state in TERMINAL, wrap))
 
 
 @route(ROUTES, "GET", "/api/v1/tasks/{taskId}/logs")
 def task_logs(req: Request) -> Stream:
     """api_tasks.go:417-442 TaskLogs."""
     trial = req.master.state.task_trials.get(req.groups["taskId"])
+    command = req.master.state.commands.get(req.groups["taskId"])
+    if command is not None:  # a command's logs end with its allocation
+        return Stream(follow_logs(req, [command.id], lambda: command.alloc.state == "TERMINATED", task_log_view))
     return Stream(follow_logs(req, [req.groups["taskId"]], lambda: trial is None or trial.state in TERMINAL,
                               task_log_view))
 

@@ -191,24 +191,31 @@ def merge(config: Any, template: Any) -> Any:
     return config
 
 
-def parse_config_text(text: str) -> dict[str, Any]:
-    """expconf/parse.go:22-44,70-77: YAML to JSON, then the sanity check."""
+def parse_any_yaml(text: str) -> dict[str, Any]:
+    """expconf/parse.go:22-44,70-77 ParseAnyExperimentConfigYAML: YAML to JSON, then the sanity check."""
     try:
         conf = yaml.safe_load(text) if text else {}
         json.dumps(conf)
     except (yaml.YAMLError, TypeError, ValueError) as exc:
-        raise ConfigError(f"invalid experiment configuration: unable to convert yaml to json: {exc}") from exc
+        raise ConfigError(f"unable to convert yaml to json: {exc}") from exc
     if conf is None:
         conf = {}
     if not isinstance(conf, dict):
-        raise ConfigError("invalid experiment configuration: unable to unmarshal json-formatted experiment config")
+        raise ConfigError("unable to unmarshal json-formatted experiment config")
     if conf.get("version", 0) != 0:
-        raise ConfigError(f"invalid experiment configuration: invalid version: {conf['version']}")
+        raise ConfigError(f"invalid version: {conf['version']}")
     errors = config_errors(conf)
     if errors:
-        raise ConfigError("invalid experiment configuration: version 0 experiment config is invalid: "
-                          "config is invalid: " + "\n".join(errors))
+        raise ConfigError("version 0 experiment config is invalid: config is invalid: " + "\n".join(errors))
     return conf
+
+
+def parse_config_text(text: str) -> dict[str, Any]:
+    """core_experiment.go:274-277: ParseAnyExperimentConfigYAML's error as an invalid configuration."""
+    try:
+        return parse_any_yaml(text)
+    except ConfigError as exc:
+        raise ConfigError(f"invalid experiment configuration: {exc.message}") from exc
 
 
 def parse_create(text: str, template: dict[str, Any] | None, master: dict[str, Any], *,

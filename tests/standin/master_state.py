@@ -47,7 +47,7 @@ class Alloc:
     """One allocation (task/allocation.go): PENDING until the agent takes it, then RUNNING, then TERMINATED."""
 
     id: str
-    trial: Trial
+    trial: Trial  # None for a command's or notebook's (then ``command``: tests/standin/master_ntsc.py)
     resources_id: str
     container_id: str
     slots: int
@@ -64,6 +64,7 @@ class Alloc:
     accelerator: dict[str, Any] | None = None
     latest_checkpoint: str | None = None
     steps_completed: int = 0
+    command: Any = None
 
 
 @dataclass
@@ -108,6 +109,7 @@ class Experiment:
     job_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     archived: bool = False
     notes: str = ""
+    continue_trials: bool = False  # experiment.go:69: set by ContinueExperiment (api_experiment.go:1553)
 
 
 @dataclass
@@ -155,6 +157,7 @@ class State:
         self.metrics: list[Metrics] = []
         self.logs: dict[str, list[dict[str, Any]]] = {}
         self.templates: dict[str, dict[str, Any]] = {}
+        self.commands: dict[str, Any] = {}  # task id -> master_ntsc.Command
         self.pending: list[Alloc] = []
         self._ids: dict[str, int] = {}
         self.timers: list[threading.Timer] = []
@@ -245,8 +248,12 @@ class State:
             if kind == "Create":
                 if action.request_id in exp.trials:
                     continue
-                trial = Trial(self.next_id("trial"), exp, action.request_id, dict(action.hparams),
-                              int(action.trial_seed), f"{exp.id}.{action.request_id}", exp.state)
+                trial = self._continued_trial(exp, action) if exp.continue_trials else None
+                if trial is False:
+                    continue
+                if trial is None:
+                    trial = Trial(self.next_id("trial"), exp, action.request_id, dict(action.hparams),
+                                  int(action.trial_seed), f"{exp.id}.{action.request_id}", exp.state)
                 self.trials[trial.id] = trial
                 self.task_trials[trial.task_id] = trial
                 exp.trials[trial.request_id] = trial
@@ -265,6 +272,24 @@ class State:
                 self.update_experiment_state(exp, target)
         for trial in stopped:  # trial.go:227-248 PatchSearcherState
             self.patch_trial_state(trial, "STOPPING_COMPLETED")
+
+    def _continued_trial(self, exp: Experiment, action: Any) -> Trial | bool | None:
+        """experiment.go:724-745 handleContinueExperiment: a trial of a continued experiment with the
+        Create's request id goes on under its own id (trial.go:340-367 continueSetup: run id and
+        restarts kept, a new task id ``<task>-<n>``); a COMPLETED one exits at once (False); None: none."""
+        old = next((t for t in self.trials.values() if t.experiment is exp and t.request_id == action.request_id), None)
+        if old is None:
+            return None
+        if old.state == "COMPLETED":
+            self.handle_actions(exp, exp.searcher.on_trial_exited(action.request_id, early=False, reason=None))
+            self.maybe_stop(exp)
+            return False
+        n = sum(1 for t in self.task_trials.values() if t is old)  # db.TrialTaskIDsByTrialID
+        old.task_id, old.state = f"{exp.id}.{action.request_id}-{n}", exp.state
+        old.hparams, old.seed = dict(action.hparams), int(action.trial_seed)  # t.searcher.Create
+        old.stopped_by_searcher = old.exited_early = False
+        old.user_exit_reason = old.stopped_after = None
+        return old
 
     def trial_exited(self, trial: Trial, reason: str | None) -> None:
         """experiment.go:555-568 trialExited: the searcher hears of it (with trial.go:193-197 exit's reason:
@@ -360,7 +385,7 @@ class State:
         elif action == "terminate" and alloc.ready:
             if not alloc.preempted:
                 alloc.preempted = True
-                timeout = alloc.trial.experiment.config.get("preemption_timeout") or 3600  # model.DefaultPreemptionTimeout
+                timeout = (alloc.trial.experiment.config.get("preemption_timeout") if alloc.trial else None) or 3600
                 timer = threading.Timer(float(timeout), self._preemption_timeout, (alloc,))
                 timer.daemon = True
                 self.timers.append(timer)
@@ -381,6 +406,10 @@ class State:
             return
         started = alloc.state != "PENDING"
         alloc.state, alloc.end_time = "TERMINATED", now_iso()
+        if alloc.command is not None:  # a command's or notebook's: it ends with its one allocation
+            alloc.command.exited(exit_code if started else None)
+            self.notify()
+            return
         trial = alloc.trial
         trial.alloc = None
         error = started and not alloc.killed and not alloc.acked and exit_code not in (0, None)

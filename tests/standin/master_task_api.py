@@ -23,7 +23,10 @@ _GROUP = re.compile(r"^[a-zA-Z0-9_\-]+$")
 
 
 def task_spec(master: Master, alloc: Alloc, slot_ids: list[int], slot_type: str = "cpu") -> Allocation:
-    """What the master hands the agent for ``alloc`` (task_trial.go:101-140, task.go:194-245)."""
+    """What the master hands the agent for ``alloc`` (task_trial.go:101-140, task.go:194-245; a
+    command's: task_command.go:63-127)."""
+    if alloc.command is not None:
+        return command_spec(master, alloc, slot_ids, slot_type)
     trial, exp = alloc.trial, alloc.trial.experiment
     with master.state.lock:
         token = master.state.login(exp.owner)  # core_experiment.go:396 getTaskSessionToken
@@ -37,6 +40,20 @@ def task_spec(master: Master, alloc: Alloc, slot_ids: list[int], slot_type: str 
             task_container_defaults=pool_defaults(master.config, pool))
 
 
+def command_spec(master: Master, alloc: Alloc, slot_ids: list[int], slot_type: str = "cpu") -> Allocation:
+    """A command's or notebook's task: no experiment or trial, its config's mounts and variables."""
+    cmd = alloc.command
+    with master.state.lock:
+        token = master.state.login(cmd.owner)  # api_command.go getTaskSessionToken
+        pool = cmd.config["resources"]["resource_pool"]
+        return Allocation(
+            master_url=master.url, experiment_id=0, trial_id=0, trial_run_id=0, trial_seed=0, request_id="",
+            task_id=cmd.id, allocation_id=alloc.id, resources_id=alloc.resources_id, container_id=alloc.container_id,
+            hparams={}, config=cmd.config, det_user=cmd.owner.username, session_token=token, slot_ids=list(slot_ids),
+            slot_type=slot_type, task_container_defaults=pool_defaults(master.config, pool), task_type=cmd.task_type,
+            extra_env=dict(cmd.extra_env), entrypoint=list(cmd.config["entrypoint"]), work_dir=cmd.config["work_dir"])
+
+
 def _alloc(req: Request) -> Alloc:
     alloc = req.master.state.allocs.get(req.groups["allocationId"])
     if alloc is None:
@@ -48,9 +65,10 @@ def _alloc(req: Request) -> Alloc:
 def get_task_context_directory(req: Request) -> dict[str, Any]:
     """api_experiment.go:2319-2350 GetTaskContextDirectory: the experiment's stored tarball."""
     trial = req.master.state.task_trials.get(req.groups["taskId"])
-    if trial is None:
+    command = req.master.state.commands.get(req.groups["taskId"])  # a command's files (api_command.go)
+    if trial is None and command is None:
         raise ApiError(5, f"task '{req.groups['taskId']}' not found")
-    return {"b64Tgz": base64.b64encode(trial.experiment.model_def).decode()}
+    return {"b64Tgz": base64.b64encode(trial.experiment.model_def if trial else command.context).decode()}
 
 
 @route(ROUTES, "GET", "/api/v1/allocations/{allocationId}/resources/{resourcesId}/rendezvous")

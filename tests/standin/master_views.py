@@ -105,7 +105,7 @@ def trial_view(state: State, trial: Trial) -> dict[str, Any]:
         "id": trial.id, "experimentId": exp.id, "startTime": trial.start_time, "endTime": trial.end_time,
         "state": f"STATE_{trial.state}", "restarts": trial.restarts, "hparams": trial.hparams,
         "totalBatchesProcessed": max([m.total_batches for m in own] or [0]), "runnerState": trial.runner_state,
-        "taskId": trial.task_id, "taskIds": [trial.task_id], "checkpointCount": len(ckpts),
+        "taskId": trial.task_id, "taskIds": [t for t, owner in state.task_trials.items() if owner is trial], "checkpointCount": len(ckpts),
         "totalCheckpointSize": str(sum(_size(c) for c in ckpts)), "summaryMetrics": summary,
         "metadata": trial.metadata, "wallClockTime": 0.0,
     }

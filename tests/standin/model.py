@@ -1,4 +1,4 @@
-"""What the master stand-in hands the agent stand-in for one trial's task: the fields a Determined
+"""What the master stand-in hands the agent stand-in for one trial's (or command's) task: the fields a Determined
 0.38.1 master puts into a trial container (master/pkg/tasks/task.go:194-245 EnvVars,
 master/pkg/tasks/task_trial.go:101-140), and what the agent reports back when the task ends."""
 
@@ -31,6 +31,12 @@ class Allocation:
     latest_checkpoint: str | None = None  # DET_LATEST_CHECKPOINT on a resume (task_trial.go:124-126)
     steps_completed: int = 0  # DET_STEPS_COMPLETED
     task_container_defaults: dict[str, Any] = field(default_factory=dict)  # the pool's, merged over the master's
+    #: a command's or notebook's (task_command.go:63-127 ToTaskSpec): its type, the ExtraEnvVars of its
+    #: launch (api_command.go, api_notebook.go), the container's command after the log shipper, its work dir
+    task_type: str = "TRIAL"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    entrypoint: list[str] = field(default_factory=list)
+    work_dir: str | None = None
 
 
 @dataclass

@@ -45,7 +45,7 @@ def master_env(alloc: Allocation, tcd: dict[str, Any]) -> list[str]:
         "DET_CONTAINER_ID": alloc.container_id,  # :202
         "DET_SESSION_TOKEN": alloc.session_token,  # :203
         "DET_USER_TOKEN": alloc.session_token,  # :204
-        "DET_WORKDIR": WORK_DIR,  # :205
+        "DET_WORKDIR": alloc.work_dir or WORK_DIR,  # :205 (task_command.go:73-77: a command's work_dir)
         "DET_RUN_DIR": RUN_DIR,  # :206
         "DET_USER": alloc.det_user,  # :208-210
     }
@@ -57,6 +57,11 @@ def master_env(alloc: Allocation, tcd: dict[str, Any]) -> list[str]:
     e["DET_SEGMENT_ENABLED"] = "false"  # :228
     # :233-240; the agent RM fills the fields (resources.go:51-55); Go marshals a map with sorted keys
     e["DET_TASK_LOGGING_METADATA"] = _jsonify({"allocation_id": alloc.allocation_id, "task_id": alloc.task_id})
+    if alloc.task_type != "TRIAL":  # a command's or notebook's ExtraEnvVars (api_command.go, api_notebook.go)
+        e.update(alloc.extra_env)
+        e["DET_RESOURCES_TYPE"] = "docker-container"  # resources.go:56
+        env_conf = (alloc.config.get("environment") or {}).get("environment_variables")
+        return [f"{k}={v}" for k, v in e.items()] + env_list(env_conf, alloc.slot_type)
     extra = {  # :242-244 ExtraEnvVars
         "DET_EXPERIMENT_ID": str(alloc.experiment_id),  # task_trial.go:115
         "DET_TRIAL_ID": str(alloc.trial_id),  # :116

@@ -124,8 +124,9 @@ def _write(path: Path, text: str, mode: int) -> None:
 
 def _lay_out_run_dir(run: Path, alloc: Allocation, tcd: dict[str, Any], user: LinkedUser) -> None:
     """The container's /run/determined as the master's archives make it (owner, mode)."""
-    for d, mode in (("", 0o700), ("info", 0o755), ("pythonuserbase", 0o700), ("workdir", 0o700),  # task.go:331-344
-                    ("train", 0o700), ("train/model", 0o700), ("etc", 0o755)):  # task_trial.go:92-99
+    trial = alloc.task_type == "TRIAL"
+    dirs = [("", 0o700), ("info", 0o755), ("pythonuserbase", 0o700), ("workdir", 0o700), ("etc", 0o755)]  # task.go:331-344
+    for d, mode in dirs + ([("train", 0o700), ("train/model", 0o700)] if trial else []):  # task_trial.go:92-99
         (run / d).mkdir(exist_ok=True)
         (run / d).chmod(mode)
     _write(run / "task-setup.sh", task_scripts.TASK_SETUP_SH, 0o744)  # task.go:348-353; const.go:15-16
@@ -133,7 +134,10 @@ def _lay_out_run_dir(run: Path, alloc: Allocation, tcd: dict[str, Any], user: Li
     _write(run / "ship_logs.py", task_scripts.SHIP_LOGS_PY, 0o755)  # task.go:361-366; const.go:21-22
     if tcd.get("startup_hook"):  # task.go:374-381; const.go:12-13
         _write(run / "dynamic-tcd-startup-hook.sh", tcd["startup_hook"], 0o744)
-    _write(run / "train" / "entrypoint.sh", task_scripts.ENTRYPOINT_SH, 0o744)  # task_trial.go:54-61; const.go:4-5
+    if trial:
+        _write(run / "train" / "entrypoint.sh", task_scripts.ENTRYPOINT_SH, 0o744)  # task_trial.go:54-61; const.go:4-5
+    elif alloc.task_type == "COMMAND":  # api_command.go LaunchCommand's AdditionalFiles (task_command.go:109-111)
+        _write(run / "command-entrypoint.sh", task_scripts.COMMAND_ENTRYPOINT_SH, 0o700)
     for p in [run, *run.rglob("*")]:
         os.lchown(p, user.uid, user.gid)  # OwnedArchiveItem: the linked user's
     for name, text in injected_user_files(user).items():  # task.go:389-405: RootItems, root's
@@ -142,13 +146,14 @@ def _lay_out_run_dir(run: Path, alloc: Allocation, tcd: dict[str, Any], user: Li
     os.chown(run / "etc", 0, 0)
 
 
-def _mounts(conf: dict[str, Any]) -> list[tuple[str, str, bool]]:
+def _mounts(conf: dict[str, Any], work_dir: str = WORK_DIR) -> list[tuple[str, str, bool]]:
     """master/pkg/tasks/task_trial.go:146-159: the experiment's bind mounts (relative container paths
-    under the workdir: mounts.go:12-30), then shared_fs checkpoint storage at /determined_shared_fs."""
+    under the workdir: mounts.go:12-30), then shared_fs checkpoint storage at /determined_shared_fs (a
+    command's config has no checkpoint storage: task_command.go:115)."""
     mounts = []
     for m in conf.get("bind_mounts") or []:
         target = m["container_path"]
-        mounts.append((m["host_path"], target if os.path.isabs(target) else os.path.join(WORK_DIR, target),
+        mounts.append((m["host_path"], target if os.path.isabs(target) else os.path.join(work_dir, target),
                        bool(m.get("read_only"))))
     storage = conf.get("checkpoint_storage") or {}
     if storage.get("type") == "shared_fs":
@@ -173,6 +178,9 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
     machines of the lab the task reaches by name (a tracking server): name -> this machine's address,
     relayed as the master is, at the same port.
     """
+    if alloc.task_type not in ("TRIAL", "COMMAND"):  # notebook-entrypoint.sh needs jupyterlab in the image
+        return TaskExit(alloc.allocation_id, 1, "", f"stand-in agent: a {alloc.task_type} task is not modelled "
+                        "(no JupyterLab in the task image); the task was not started\n")
     wheels = sorted(Path(wheel_dir).glob(f"*{DETERMINED_VERSION}*.whl")) if Path(wheel_dir).is_dir() else []
     if not wheels:  # the container is not started: nothing reaches the master or the agent's disk
         return TaskExit(alloc.allocation_id, 1, "", f"stand-in agent: no Determined {DETERMINED_VERSION} harness wheel "
@@ -238,13 +246,15 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
         args += ["--bind", str(run), RUN_DIR, "--ro-bind", str(standin), STANDIN_DIR,
                  "--ro-bind", str(wheels_copy), WHEELS_DIR]
         # Docker mounts a parent before what lies below it (daemon/volumes.go sortMounts)
-        for host, target, ro in sorted(_mounts(alloc.config), key=lambda m: Path(m[1]).parts):
+        work_dir = alloc.work_dir or WORK_DIR
+        for host, target, ro in sorted(_mounts(alloc.config, work_dir), key=lambda m: Path(m[1]).parts):
             if not os.path.exists(host):  # Docker's refusal of a missing bind source
                 raise FileNotFoundError(f"bind mount source {host} does not exist on this agent")
             args += ["--ro-bind" if ro else "--bind", host, target]
-        args += ["--remount-ro", "/", "--chdir", WORK_DIR,  # task.go:308 WorkingDir
+        entrypoint = [f"{RUN_DIR}/train/entrypoint.sh"] if alloc.task_type == "TRIAL" else alloc.entrypoint
+        args += ["--remount-ro", "/", "--chdir", work_dir,  # task.go:308 WorkingDir
                  str(image.bin_dir / "python3"), "-I", "-S", f"{STANDIN_DIR}/netfwd.py", *fwd, "--",
-                 f"{RUN_DIR}/ship-logs.sh", f"{RUN_DIR}/ship_logs.py", f"{RUN_DIR}/train/entrypoint.sh"]
+                 f"{RUN_DIR}/ship-logs.sh", f"{RUN_DIR}/ship_logs.py", *entrypoint]  # task.go:249-258
         args[0] = shutil.which("bwrap") or "bwrap"
         proc = subprocess.Popen(args, env=env, user=user.uid, group=user.gid, extra_groups=[], umask=0o022,
                                 cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -4,7 +4,8 @@ Each step names the line of determined-ai/determined v0.38.1 it follows. The mas
 ``master/static/srv/{ship-logs.sh,ship_logs.py,task-setup.sh,entrypoint.sh}`` with every container
 (master/pkg/tasks/task.go:346-383 runDirHelpersArchive; task_trial.go:54-61 the trial's entrypoint.sh):
 
-- ``SHIP_LOGS_SH``, ``TASK_SETUP_SH``, ``ENTRYPOINT_SH``: every command of the originals, in their order.
+- ``SHIP_LOGS_SH``, ``TASK_SETUP_SH``, ``ENTRYPOINT_SH``, ``COMMAND_ENTRYPOINT_SH`` (a command's, api_command.go
+  LaunchCommand): every command of the originals, in their order.
 - ``SHIP_LOGS_PY``: what ship_logs.py does, minimally: reach the master (``GET /api/v1/me``), run the
   child with its output piped, cut it into lines at ``\\n`` or ``\\r``, parse ``[rank=N]`` and ``LEVEL:``
   prefixes, post batches to ``POST /api/v1/task/logs`` (echoing them to its own stdout/stderr only when
@@ -97,6 +98,28 @@ set +x
 "$DET_PYTHON_EXECUTABLE" -m determined.exec.prep_container --rendezvous
 # :20 the launch layer replaces this shell
 exec "$DET_PYTHON_EXECUTABLE" -m determined.exec.launch "$@"
+"""
+
+COMMAND_ENTRYPOINT_SH = r"""#!/usr/bin/env bash
+# master/static/srv/command-entrypoint.sh, re-transcribed for det_lab's task stand-in
+# :3 the common set-up, in this shell
+source /run/determined/task-setup.sh
+# :5 from here any failure ends the task
+set -e
+# :11 the proxy address and the command's files (det cmd run --context) into the workdir
+"$DET_PYTHON_EXECUTABLE" -m determined.exec.prep_container --proxy --download_context_directory
+# :13-17 both hooks sourced, traced
+STARTUP_HOOK="startup-hook.sh"
+set -x
+test -f "${TCD_STARTUP_HOOK}" && source "${TCD_STARTUP_HOOK}"
+test -f "${STARTUP_HOOK}" && source "${STARTUP_HOOK}"
+set +x
+# :19-23 one argument is a shell command line, several an argv
+if [ "$#" -eq 1 ]; then
+    exec /bin/sh -c "$@"
+else
+    exec "$@"
+fi
 """
 
 SHIP_LOGS_PY = r'''"""master/static/srv/ship_logs.py, minimally re-transcribed for det_lab's task stand-in (stdlib only)."""
