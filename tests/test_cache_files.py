@@ -112,8 +112,12 @@ def test_a_damaged_or_crafted_cache_is_ignored_and_rebuilt(lab, tmp_path):
                         good[:HEAD - 16] + hashlib.blake2b(crafted, digest_size=16).digest() + crafted,  # code
                         good[: len(good) // 2],  # cut short
                         json.dumps({"identity": "x", "dirs": {}}).encode(),  # another format
-                        good[:HEAD - 18] + (version + 1).to_bytes(2, "big") + good[HEAD - 16:]):  # another version
+                        good[:HEAD - 18] + (version - 1).to_bytes(2, "big") + good[HEAD - 16:]):  # an older version
             f.write_bytes(damaged)
             assert _answers(settings, layout) == first, f.name
             assert not marker.exists(), f.name
             assert cachefile.load(f, version) is not None  # rebuilt
+        newer = good[:HEAD - 18] + (version + 1).to_bytes(2, "big") + good[HEAD - 16:]  # a newer det_lab's
+        f.write_bytes(newer)
+        assert _answers(settings, layout) == first, f.name  # answered without it
+        assert f.read_bytes() == newer, f.name  # and left to the det_lab that wrote it

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from det_lab.ondisk import FORMAT_KEY, GPU_LEASE_JOURNAL, check, stamp
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout
 
@@ -60,7 +61,7 @@ def append(settings: LabSettings, host: str, user: str, event: dict[str, Any]) -
             folder.parent.chmod(0o2775)
         except PermissionError:
             pass
-    line = (json.dumps(event, sort_keys=True) + "\n").encode()
+    line = (json.dumps({**event, FORMAT_KEY: stamp(GPU_LEASE_JOURNAL)}, sort_keys=True) + "\n").encode()
     fd = os.open(folder / f"{host}.{user}.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o664)
     try:
         os.write(fd, line)  # one write of a short line: whole or not at all in the file
@@ -81,7 +82,8 @@ def end_event(lease: str, at: float, how: str) -> dict[str, Any]:
 
 def read_records(settings: LabSettings) -> list[LeaseRecord]:
     """Every lease in every machine's journal, by start time; the first end of a lease counts (a
-    damaged line, as a disk that filled mid-write leaves, is passed over)."""
+    damaged line, as a disk that filled mid-write leaves, is passed over; a line a newer det_lab
+    wrote is a :class:`~det_lab.ondisk.NewerFormat`)."""
     folder = journal_dir(settings)
     starts: dict[str, LeaseRecord] = {}
     ends: dict[str, tuple[float, str]] = {}
@@ -94,9 +96,13 @@ def read_records(settings: LabSettings) -> list[LeaseRecord]:
             lines = path.read_bytes().splitlines()
         except OSError:
             continue
-        for raw in lines:
+        for n, raw in enumerate(lines, 1):
             try:
                 e = json.loads(raw)
+            except ValueError:
+                continue
+            check(e, GPU_LEASE_JOURNAL, f"{path} line {n}")
+            try:
                 if e["event"] == "start":
                     starts.setdefault(e["lease"], LeaseRecord(
                         lease=e["lease"], host=e["host"], user=e["user"], run=e.get("run") or "",

@@ -27,6 +27,7 @@ from typing import Any
 
 from det_lab.gpus import journal
 from det_lab.gpus.holders import ProcessId, boot_id
+from det_lab.ondisk import GPU_LEASE, check, stamped
 from det_lab.settings import LabSettings, env_value
 
 DEFAULT_STATE_DIR = Path("/tmp/det-lab-gpus")
@@ -101,11 +102,12 @@ def shared_dir(path: Path) -> Path:
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """``path`` replaced whole (a reader sees the old file or the new one), readable by all."""
+    """``path`` replaced whole (a reader sees the old file or the new one), readable by all; stamped
+    with :data:`~det_lab.ondisk.GPU_LEASE`."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.write(fd, json.dumps(data, sort_keys=True).encode())
+        os.write(fd, json.dumps(stamped(data, GPU_LEASE), sort_keys=True).encode())
     finally:
         os.close(fd)
     os.replace(tmp, path)
@@ -145,7 +147,9 @@ class HostBook:
             os.close(fd)  # releases the flock
 
     def _read(self, folder: Path) -> tuple[list[Held], list[Held]]:
-        """(live, dead) entries of ``folder``; a file half-written or damaged is passed over."""
+        """(live, dead) entries of ``folder``; a file half-written or damaged is passed over. A file
+        a newer det_lab wrote is a :class:`~det_lab.ondisk.NewerFormat` before any is acted on:
+        its GPUs are not known here, and it is never reaped by this det_lab."""
         live: list[Held] = []
         dead: list[Held] = []
         try:
@@ -159,8 +163,12 @@ class HostBook:
             path = folder / name
             try:
                 data = json.loads(path.read_bytes())
+            except (OSError, ValueError):
+                continue
+            check(data, GPU_LEASE, path)
+            try:
                 holder = ProcessId.from_dict(data["holder"])
-            except (OSError, ValueError, KeyError, TypeError):
+            except (KeyError, TypeError, ValueError):
                 continue
             (live if holder.alive(boot) else dead).append(Held(path, data, holder))
         return live, dead

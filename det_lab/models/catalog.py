@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from det_lab.models.errors import ModelMissing, ModelStoreError
+from det_lab.ondisk import MODEL_RECORD, NewerFormat, check
 from det_lab.models.layout import REVISION, ModelStoreLayout, check_name
 from det_lab.models.store import ModelInfo, ModelRevision, Revision, StoredFile
 
@@ -46,8 +47,13 @@ def _main(repo: Path) -> str | None:
 
 
 def _read_record(layout: ModelStoreLayout, name: str, snapshot: Path) -> Revision:
+    """The revision's record; without one, what its files say. One a newer det_lab wrote is a
+    :class:`~det_lab.ondisk.NewerFormat`."""
+    path = layout.record(name, snapshot.name)
     try:
-        return Revision.from_json(json.loads(layout.record(name, snapshot.name).read_text()))
+        return Revision.from_json(check(json.loads(path.read_text()), MODEL_RECORD, path))
+    except NewerFormat:
+        raise
     except (OSError, ValueError, KeyError, TypeError):
         files = []
         for dirpath, _dirs, names in os.walk(snapshot, followlinks=True):
@@ -95,8 +101,9 @@ def resolve_model(layout: ModelStoreLayout, name: str, files: Sequence[str] = ()
                            "snapshot that has it: " + _IMPORT.format(name=name))
     hub_commit = None
     try:
-        hub_commit = Revision.from_json(json.loads(layout.record(name, resolved).read_text())).hub_commit
-    except (OSError, ValueError, KeyError, TypeError):
+        record = layout.record(name, resolved)
+        hub_commit = Revision.from_json(check(json.loads(record.read_text()), MODEL_RECORD, record)).hub_commit
+    except (OSError, ValueError, KeyError, TypeError):  # a newer det_lab's record too: the files are what a run needs
         pass
     return ModelRevision(name, resolved, path, resolved == main, hub_commit)
 

@@ -28,6 +28,7 @@ from typing import IO, Any
 from det_lab.models.errors import ModelStoreError
 from det_lab.models.layout import ModelStoreLayout, check_name
 from det_lab.models.source import Snapshot, SourceFile, read_snapshot
+from det_lab.ondisk import MODEL_RECORD, stamped
 from det_lab.volume import atomic_write_text, human_bytes
 
 _CHUNK = 4 << 20
@@ -254,7 +255,7 @@ def _publish(layout: ModelStoreLayout, plan: ImportPlan, stage: Path) -> int:
                       getpass.getuser(), dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                       socket.gethostname())
     layout.records(plan.name).mkdir(parents=True, exist_ok=True)
-    atomic_write_text(layout.record(plan.name, plan.revision), json.dumps(record.to_json(), indent=2) + "\n")
+    atomic_write_text(layout.record(plan.name, plan.revision), json.dumps(stamped(record.to_json(), MODEL_RECORD), indent=2) + "\n")
     _fsync_tree(tree)
     try:
         os.rename(tree, final)  # the commit point: the revision exists from here on, whole

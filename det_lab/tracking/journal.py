@@ -13,6 +13,8 @@ Beside the events: ``run.json`` (whose events, and the target each backend deliv
 ``writer.json`` (the current writer, so an old sender hands over to a new trial's),
 ``marks.json`` (the highest step journaled per metric, so a resumed trial's replayed steps are
 dropped even after their segments are gone) and ``end.json`` (how the run ended, once it has).
+``run.json`` carries the journal's format version (:data:`det_lab.ondisk.TRACKING_JOURNAL`): a
+journal a newer det_lab made is neither read nor written here (:attr:`Journal.newer`).
 
 It is plain files rather than SQLite so that it can live on the shared NFS volume, where a
 restarted trial on another machine finds it; SQLite must not be used on NFS.
@@ -29,6 +31,7 @@ from pathlib import Path
 from pydantic import BaseModel, ValidationError
 
 from det_lab.errors import UserError
+from det_lab.ondisk import TRACKING_JOURNAL, NewerFormat, check, newer_file, stamped
 from det_lab.tracking.events import Event, Metrics, RunInfo, from_record, to_record
 from det_lab.volume import atomic_write_text
 
@@ -72,7 +75,9 @@ class Journal:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
         directory.mkdir(parents=True, exist_ok=True)
-        self.last_seq = self._scan_tail()
+        #: why this det_lab may not use the journal (a newer det_lab made it); None when it may
+        self.newer: NewerFormat | None = newer_file(directory / "run.json", TRACKING_JOURNAL)
+        self.last_seq = 0 if self.newer else self._scan_tail()
         self._fd: int | None = None  # the segment being appended to (writer only)
         self._current_count = 0
 
@@ -87,6 +92,7 @@ class Journal:
 
     def write_lines(self, lines: list[str]) -> None:
         """Append encoded lines that carry the next sequence numbers, in order; fsync them."""
+        self._refuse_newer()
         if self._fd is None:
             self._open_for_append()
         first = self.last_seq + 1
@@ -145,6 +151,7 @@ class Journal:
         return Cursor(int(data["seq"]), data.get("run_id"), data.get("error"))
 
     def advance(self, backend: str, cursor: Cursor) -> None:
+        self._refuse_newer()
         atomic_write_text(self.directory / f"cursor-{backend}.json", json.dumps(asdict(cursor)) + "\n")
 
     def compact(self, backends: Iterable[str]) -> None:
@@ -154,7 +161,7 @@ class Journal:
         its marks.
         """
         segments = self.segments()
-        if len(segments) < 2:
+        if len(segments) < 2 or self.newer:  # a newer det_lab's segments are its own to delete
             return
         floor = min((self.cursor(b).seq for b in backends), default=0)
         marks = _read_json(self.directory / "marks.json")
@@ -169,15 +176,17 @@ class Journal:
     # --- what the run is, who writes it, how it ended --------------------------------------------
 
     def describe_run(self, run: RunInfo, targets: dict[str, str]) -> None:
-        """Record whose events these are and where each backend delivers them."""
-        atomic_write_text(self.directory / "run.json", json.dumps(
-            {"run": asdict(run), "backends": list(targets), "targets": targets}, indent=2) + "\n")
+        """Record whose events these are and where each backend delivers them (stamped)."""
+        self._refuse_newer()
+        atomic_write_text(self.directory / "run.json", json.dumps(stamped(
+            {"run": asdict(run), "backends": list(targets), "targets": targets}, TRACKING_JOURNAL), indent=2) + "\n")
 
     def run(self) -> tuple[RunInfo, dict[str, str]]:
-        """The run and its ``{backend: target}``; :class:`JournalError` if they are not recorded."""
+        """The run and its ``{backend: target}``; :class:`JournalError` if they are not recorded,
+        :class:`~det_lab.ondisk.NewerFormat` if a newer det_lab made the journal."""
         path = self.directory / "run.json"
         try:
-            recorded = _RunFile.model_validate(_read_json(path))
+            recorded = _RunFile.model_validate(check(_read_json(path), TRACKING_JOURNAL, path))
         except ValidationError:
             raise JournalError(f"{path} is missing or damaged: {self.directory} is not a det_lab tracking journal") from None
         if recorded.targets is None or set(recorded.targets) != set(recorded.backends):
@@ -187,6 +196,7 @@ class Journal:
 
     def claim(self, token: str) -> None:
         """Make this writer the journal's current one; an older writer's sender hands over."""
+        self._refuse_newer()
         atomic_write_text(self.directory / "writer.json", json.dumps({"token": token, "pid": os.getpid()}) + "\n")
         (self.directory / "end.json").unlink(missing_ok=True)
 
@@ -196,6 +206,7 @@ class Journal:
 
     def mark_end(self, status: str) -> None:
         """Record that the run ended with ``status`` after the last event written so far."""
+        self._refuse_newer()
         atomic_write_text(self.directory / "end.json", json.dumps(asdict(End(status, self.last_seq))) + "\n")
 
     def end(self) -> End | None:
@@ -206,6 +217,7 @@ class Journal:
 
     def save_marks(self, seq: int, marks: Marks) -> None:
         """Record the highest step journaled per metric, as of event ``seq``."""
+        self._refuse_newer()
         atomic_write_text(self.directory / "marks.json", json.dumps({"seq": seq, "marks": marks}) + "\n")
 
     def load_marks(self) -> Marks:
@@ -225,6 +237,11 @@ class Journal:
         return marks
 
     # --- recovery ------------------------------------------------------------------------------
+
+    def _refuse_newer(self) -> None:
+        """Nothing of a journal a newer det_lab made is written over or added to here."""
+        if self.newer is not None:
+            raise self.newer
 
     def _scan_tail(self) -> int:
         """The last complete event's seq (a torn final line does not count)."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from det_lab.ondisk import warn_once
 from det_lab.tracking.backend import RunStatus
 from det_lab.tracking.events import Artifact, Checkpoint, Event, Params, RunInfo, Tags, flatten, numeric
 from det_lab.tracking.journal import Journal, encode
@@ -85,7 +86,11 @@ class Mirror:
         self.run = run
         self.targets = dict(targets)
         self.journal = Journal(journal_dir)
-        self.journal.describe_run(run, self.targets)
+        if self.journal.newer is not None:  # a newer det_lab's journal: left alone, and training goes on
+            warn_once(self.journal.newer, "this trial's metrics are not mirrored to its trackers (training goes on)")
+            self.targets = {}
+        else:
+            self.journal.describe_run(run, self.targets)
         self._interval = interval
         self._lock = threading.Lock()  # guards the queue, the sequence number and the marks
         self._write_lock = threading.Lock()  # one batch append at a time

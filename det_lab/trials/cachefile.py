@@ -6,7 +6,8 @@ repeated across entries (a dataset's lineage, a storage config) are written once
 one object. It is never trusted: it starts with a magic, its format version and a BLAKE2b digest
 of the rest, and the unpickler refuses every global (no class, no function: nothing a file can
 make this process run). A file damaged, cut short, of another format or version, or from an
-older det_lab (JSON) loads as ``None``, and the caller rebuilds it from the volume.
+older det_lab (JSON) loads as ``None``, and the caller rebuilds it from the volume; one of a newer
+version (a newer det_lab's, :mod:`det_lab.ondisk`) is not written over: this det_lab works without it.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def dump(path: Path, value: Any, version: int) -> None:
     except (pickle.PicklingError, TypeError, RecursionError):
         return
     data = _MAGIC + version.to_bytes(2, "big") + hashlib.blake2b(body, digest_size=_DIGEST).digest() + body
+    if written_version(path) > version:
+        return
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +84,16 @@ def dump(path: Path, value: Any, version: int) -> None:
             os.unlink(tmp)
         except OSError:
             pass
+
+
+def written_version(path: Path) -> int:
+    """The version a cache file at ``path`` says it holds; 0 when there is none (or not a cache file)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_MAGIC) + 2)
+    except OSError:
+        return 0
+    return int.from_bytes(head[len(_MAGIC):], "big") if len(head) == len(_MAGIC) + 2 and head.startswith(_MAGIC) else 0
 
 
 def shared(value: Any, seen: dict[Any, Any]) -> Any:

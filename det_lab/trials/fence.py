@@ -47,6 +47,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from det_lab.data.lock import LockTimeout, VolumeLock
+from det_lab.ondisk import RUN_ATTEMPT, check, stamped
 from det_lab.volume import atomic_write_text
 
 log = logging.getLogger("det_lab.trials")
@@ -90,13 +91,15 @@ def attempt_file(run_dir: Path) -> Path:
 
 def read_attempt(run_dir: Path) -> Attempt | None:
     """The run's current attempt; None when no attempt was ever taken. ``OSError`` or
-    ``ValueError`` when the file cannot be read or parsed."""
+    ``ValueError`` when the file cannot be read or parsed (:class:`~det_lab.ondisk.NewerFormat`
+    when a newer det_lab wrote it)."""
     try:
         data = json.loads(attempt_file(run_dir).read_bytes())
     except FileNotFoundError:
         return None
     if not isinstance(data, dict):
         raise ValueError(f"{attempt_file(run_dir)}: not a JSON object")
+    check(data, RUN_ATTEMPT, attempt_file(run_dir))  # a newer det_lab's run: NewerFormat, a ValueError
     return Attempt(**{k: data[k] for k in Attempt.__dataclass_fields__ if k in data})
 
 
@@ -113,7 +116,7 @@ def begin_attempt(run_dir: Path, job_id: str = "", restart: int = 0, node: str =
                 raise StaleAttempt(f"restart {current.restart} of job {job_id} already runs on {current.node}")
             new = Attempt(epoch=(current.epoch if current else 0) + 1, token=uuid.uuid4().hex, job_id=job_id,
                           restart=restart, node=node, started=time.strftime("%Y-%m-%dT%H:%M:%S"))
-            atomic_write_text(attempt_file(run_dir), json.dumps(asdict(new), indent=2) + "\n")
+            atomic_write_text(attempt_file(run_dir), json.dumps(stamped(asdict(new), RUN_ATTEMPT), indent=2) + "\n")
     except LockTimeout as exc:
         raise StaleAttempt(f"the run's attempt lock stayed taken: {exc}") from None
     return new

@@ -25,6 +25,7 @@ import orjson
 
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
+from det_lab.ondisk import FORMAT_KEY, RUNS_LISTING_CACHE, NewerFormat, stamp, version_of
 from det_lab.trials.cachefile import cache_path
 from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, VolumeRunRecord, parse_progress,
                                    parse_run_file, run_dirs)
@@ -128,7 +129,8 @@ def read_entry(directory: str) -> dict[str, Any] | None:
 
 
 class Unlisted(UserError, ValueError):
-    """A run a listing cannot show: its run.json ``damaged`` or ``unreadable`` (``status``)."""
+    """A run a listing cannot show: its run.json ``damaged``, ``unreadable`` or written by a
+    ``newer`` det_lab (``status``)."""
 
     def __init__(self, status: str, message: str) -> None:
         super().__init__(message)
@@ -139,6 +141,8 @@ def _entry_or_error(directory: str) -> dict[str, Any] | tuple[str, str] | None:
     """:func:`read_entry` for a worker process: a run it cannot read as ``(status, message)``."""
     try:
         return read_entry(directory)
+    except NewerFormat as exc:  # listed, never read as this det_lab would misread it
+        return "newer", str(exc)
     except ValueError as exc:
         return "damaged", str(exc)
     except OSError as exc:  # another member's run.json this user may not read
@@ -192,7 +196,14 @@ class ListingCache:
     """The last listing of the volume at ``data_root``, as this user saw it (see the module doc)."""
 
     def __init__(self, data_root: Path) -> None:
-        self.path, self.entries = user_cache(data_root, "runs")
+        self.path, entries = user_cache(data_root, "runs")
+        try:
+            version_of(entries, RUNS_LISTING_CACHE, self.path)
+            self.newer = False
+        except NewerFormat:  # a newer det_lab's cache: not read, and left to it (never saved over)
+            entries, self.newer = {}, True
+        entries.pop(FORMAT_KEY, None)
+        self.entries: dict[str, Any] = entries
         self.seen: dict[str, Any] = {}
         #: runs read from their files in this listing (not from the cache)
         self.read_again = 0
@@ -234,7 +245,7 @@ class ListingCache:
 
     def save(self, complete: bool) -> None:
         """Keep what this listing read (``complete``: it listed every run, so drop the others)."""
-        if not self.read_again and (not complete or len(self.seen) == len(self.entries)):
+        if self.newer or not self.read_again and (not complete or len(self.seen) == len(self.entries)):
             return  # nothing new: the file on disk says it already
         entries = self.seen if complete else {**self.entries, **self.seen}
         # orjson writes thousands of entries in a tenth of json's time, but NaN (a diverged
@@ -244,6 +255,7 @@ class ListingCache:
                          for e in entries.values() for v in e["validation"].values())
         except (AttributeError, KeyError, TypeError):  # an entry of a damaged cache kept for other runs
             finite = False
+        entries = {FORMAT_KEY: stamp(RUNS_LISTING_CACHE), **entries}
         text = orjson.dumps(entries).decode() if finite else json.dumps(entries, separators=(",", ":"))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.errors import UserError
+from det_lab.ondisk import NewerFormat
 from det_lab.settings import LabSettings
 from det_lab.trials import retention, run_guard
 from det_lab.trials.expconf import project_of
@@ -167,7 +168,7 @@ def _planned(settings: LabSettings, run: LocalRunRecord, owners: dict[int, str])
     except (OSError, ValueError) as exc:
         st = run.dir.stat()
         return PlannedRun(run.dir.name, run.dir.parent.parent.name, run.kind, user_name(st.st_uid, owners),
-                          "damaged", run.dir, st.st_mtime, refused=str(exc))
+                          "newer" if isinstance(exc, NewerFormat) else "damaged", run.dir, st.st_mtime, refused=str(exc))
     conf = state.get("exp_conf") or {}
     owner = state.get("user") or user_name(run.run_file.stat().st_uid, owners)
     planned = PlannedRun(str(state.get("name") or run.dir.name), project_of(conf), run.kind, owner,

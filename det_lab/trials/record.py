@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Final, cast
 
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
+from det_lab.ondisk import RUN_RECORD, check, refuse_overwrite, stamped
 from det_lab.settings import LabSettings
 from det_lab.trials.run_state import RunState, RunStatus  # noqa: F401  (RunStatus: re-exported)
 from det_lab.volume import VolumeLayout, atomic_write_text
@@ -70,7 +71,8 @@ def read_run_file(path: Path) -> dict[str, Any]:
 
 
 def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
-    """The bytes of the run.json at ``path`` as a dict (see :func:`read_run_file`)."""
+    """The bytes of the run.json at ``path`` as a dict (see :func:`read_run_file`); one a newer
+    det_lab wrote is a :class:`~det_lab.ondisk.NewerFormat`."""
     try:
         state = loads(data)
         problem = None if isinstance(state, dict) else "not a JSON object"
@@ -79,7 +81,7 @@ def parse_run_file(data: bytes, path: Path | str) -> dict[str, Any]:
     if problem:
         raise RunRecordError(f"{path}: damaged run record ({problem}); this run cannot be resumed: "
                          "restore its run.json from a backup or start a new run")
-    return cast(dict[str, Any], state)
+    return cast(dict[str, Any], check(state, RUN_RECORD, path))
 
 
 def parse_progress(data: bytes) -> tuple[int, dict[str, float]]:
@@ -182,7 +184,9 @@ class RunRecord:
         return cast(RunState, read_run_file(self.run_file))
 
     def save(self, state: RunState | dict[str, Any]) -> None:
-        atomic_write_text(self.run_file, json.dumps(state, indent=2, default=str) + "\n")
+        """Write run.json, stamped; never over one a newer det_lab wrote (:class:`~det_lab.ondisk.NewerFormat`)."""
+        refuse_overwrite(self.run_file, RUN_RECORD)
+        atomic_write_text(self.run_file, json.dumps(stamped(state, RUN_RECORD), indent=2, default=str) + "\n")
 
     def update(self, **changes: Any) -> RunState:
         state = cast(RunState, {**self.state(), **changes})

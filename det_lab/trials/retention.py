@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.errors import UserError
+from det_lab.ondisk import NewerFormat, strings_in
 from det_lab.trials.expconf import searcher_metric
 
 log = logging.getLogger("det_lab.trials")
@@ -270,6 +271,8 @@ def checkpoint_users(records: Iterable[Any]) -> dict[str, list[tuple[Path, str]]
     for other in records:
         try:
             st = other.state()
+        except NewerFormat as exc:  # a newer det_lab's run: whatever it names may be a checkpoint it lists
+            st = {"checkpoints": [{"uuid": word} for word in strings_in(Path(exc.path))]}
         except (OSError, ValueError):
             continue
         listed = {str(e.get("uuid")) for e in st.get("checkpoints") or []} | {str(st.get("latest_checkpoint"))}

@@ -61,6 +61,7 @@ class RunState(TypedDict, total=False):
     """A run's ``run.json``. Every key may be missing (records written by older versions, a run
     still being prepared); read with ``.get`` where it may be."""
 
+    format: dict[str, Any]  #: the stamp of its on-disk format (:data:`det_lab.ondisk.RUN_RECORD`)
     kind: str  #: the record class (:func:`det_lab.trials.record.open_record`)
     name: str
     run_key: str

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from det_lab.ondisk import SPACE_CACHE
 from det_lab.settings import LabSettings
 from det_lab.trials.listing import user_name
 from det_lab.errors import UserError
@@ -33,7 +34,7 @@ NO_RUN = ""
 #: a complete checkpoint unchanged this long is taken as written for good (its figures kept)
 SETTLED_S = 60.0
 _NOTHING: dict[str, Any] = {}
-_SPACE_VERSION = 1  # of the cache file's shape: {parent directory: {checkpoint: its figures}}
+_SPACE_VERSION = SPACE_CACHE.version  # of the cache file's shape: {parent directory: {checkpoint: its figures}}
 
 
 class SpaceError(UserError):

@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
+from det_lab.ondisk import RUN_FACTS_CACHE
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import project_of
 from det_lab.trials import cachefile
@@ -49,7 +50,7 @@ class RunFacts(NamedTuple):
 
 
 _N_FACTS = len(RunFacts._fields)  # an entry of fewer (an older det_lab's) is read again
-_FACTS_VERSION = 1  # of the cache file's shape: path -> (ino, size, mtime_ns, facts)
+_FACTS_VERSION = RUN_FACTS_CACHE.version  # of the cache file's shape: path -> (ino, size, mtime_ns, facts)
 #: run.json's keys a run record's ``scheduled`` reads (its status, its GPU wait, its Slurm job)
 SCHEDULING_KEYS = ("status", WAIT_KEY)
 

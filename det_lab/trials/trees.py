@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from det_lab.ondisk import TREES_CACHE
 from det_lab.trials import cachefile
 
 #: a complete checkpoint unchanged this long is taken as written for good (its sizes kept)
@@ -37,7 +38,7 @@ _RWX = os.R_OK | os.W_OK | os.X_OK
 _FILES, _DIRS, _LINKS, _KEPT, _ACCESS, _SEEN, _LEN = 3, 4, 5, 6, 7, 8, 9
 # a complete checkpoint of one directory this user may remove: [ino, mtime_ns, ctime_ns, bytes, seen]
 _COMPACT = 5
-_TREES_VERSION = 1  # of the cache file's shape: {identity, dirs: {path: entry}}
+_TREES_VERSION = TREES_CACHE.version  # of the cache file's shape: {identity, dirs: {path: entry}}
 
 
 @dataclass
