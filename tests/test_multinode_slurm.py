@@ -285,3 +285,94 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
     time.sleep(2)  # a late write would land now
     assert _files(run_dir, ckpts) == before
     assert _final(c, job_id) == "COMPLETED"
+
+
+def _ranks(cluster: MultiHostCluster, host) -> set[int]:
+    """The global ranks of the trial processes running on ``host`` (their RANK, as torchrun set it)."""
+    ranks = set()
+    for pid in cluster.pids(host):
+        try:
+            if b"train.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                       if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            ranks.add(int(env["RANK"]))
+    return ranks
+
+
+def test_two_nodes_train_to_the_losses_of_one_node_with_the_same_global_batch(bed: Bed):
+    """slots_per_trial 4 on nodes of 2 GPUs goes out as --nodes=2 (4 gloo ranks of 4 rows a batch);
+    a one-process run of 16 rows a batch sees the same 16 rows each step. Global rank 0 runs on the
+    job's first node, whose driver records the run; the chief alone writes checkpoints and metrics."""
+    c, lab = bed.cluster, bed.lab
+    c.wait_nodes(("idle",))
+    two = _config(lab, "tiny-2nodes.yaml", **{"resources.slots_per_trial": 4, "hyperparameters.batch_size": 4})
+    one = _config(lab, "tiny-1node.yaml", **{"resources.slots_per_trial": 1})  # batch_size 16
+    run_dir, job_id = _submit(bed, two)
+    straight = _straight(bed, one)
+    assert "#SBATCH --nodes=2" in (run_dir / "job.sbatch").read_text()
+    a, b = c.nodes
+    ranks = _wait(lambda: (lambda r: r if all(len(x) == 2 for x in r.values()) else None)(
+        {h.name: _ranks(c, h) for h in (a, b)}), 180, "two ranks on each node", poll=0.2)
+    assert ranks == {a.name: {0, 1}, b.name: {2, 3}}, ranks  # the job's first node (SLURM_NODEID 0) holds rank 0
+    _wait(lambda: _final(c, job_id) in ("COMPLETED", "FAILED"), 240, "the job to end", poll=1)
+    straight_out = straight.communicate(timeout=240)[0]
+    assert straight.returncode == 0, straight_out
+    st = _state(run_dir)
+    assert _final(c, job_id) == "COMPLETED", (run_dir / "train.log").read_text()[-3000:]
+    (attempt,) = st["slurm"]["attempts"]
+    assert attempt["nodes"] == [a.name, b.name] and attempt["node"] == a.name, attempt
+
+    straight_dir = _local_run(lab, one)
+    for group, key in (("training", "loss"), ("validation", "val_loss")):
+        expected, got = _losses(straight_dir, group, key), _losses(run_dir, group, key)
+        assert sorted(got) == sorted(expected) and len(got) >= 4
+        assert got == pytest.approx(expected, rel=1e-6)
+        steps = sorted(expected)  # the neighbouring step's loss is outside that tolerance
+        assert all(expected[s] != pytest.approx(expected[t], rel=1e-6) for s, t in zip(steps, steps[1:]))
+    seen = [(m["group"], k, m["step"]) for m in _metrics(run_dir) for k in m["metrics"]]
+    assert len(seen) == len(set(seen)), "a metric recorded twice"
+    expected = sorted(_losses(straight_dir, "training", "loss"))
+    assert _mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
+    # written once, by the chief: two checkpoints in the record, no other checkpoint of the job on the volume
+    assert [c_["step"] for c_ in st["checkpoints"]] == [40, 80] and st["latest_checkpoint_step"] == 80
+    ckpts = lab.root / "checkpoints" / "vla"
+    written = [p.name for p in ckpts.iterdir() if (p / "metadata.json").exists() and json.loads(
+        (p / "metadata.json").read_text()).get("det_lab", {}).get("slurm_job_id") == job_id]
+    assert sorted(written) == sorted(c_["uuid"] for c_ in st["checkpoints"])
+    shown = lab.cli("runs", "show", st["name"], check=True).stdout
+    assert f"on {a.name}, {b.name} (rank 0 on {a.name}; restart 0)" in shown, shown
+
+
+def test_a_multi_node_trial_the_partition_cannot_hold_or_reach_is_one_line_before_sbatch(bed: Bed, monkeypatch):
+    """More nodes than the partition has, or a partition whose nodes nobody resolves (bed: the
+    ghost nodes, no NodeAddr): one line, no run directory, no job. The bed's own nodes do not
+    resolve on the login node either, but slurm.conf gives their addresses: those are used."""
+    from det_lab.slurm.nodes import NodeAddressError, first_node_address
+
+    c, lab = bed.cluster, bed.lab
+    runs = lab.root / "outputs" / "vla" / "slurm-runs"
+    ghost = next(n.name for n in c.settings.nodes if n.partition == "ghost")
+    jobs = c.run("squeue", "-h", "--states=all", "-o", "%i").stdout.split()
+    for args, message in (
+        (["--set", "resources.slots_per_trial=6"],
+         "resources.slots_per_trial=6: partition fake has 2 node(s) with at most 2 GPUs each, so a trial fits 2 or "
+         "fewer GPUs on one node, or a multiple of 2 up to 4 across nodes (6 would take 3 nodes)"),
+        (["--partition", "ghost", "--set", "resources.slots_per_trial=2"],
+         f"partition ghost: node {ghost}: its name does not resolve here and slurm.conf gives it no NodeAddr")):
+        before = set(runs.iterdir()) if runs.exists() else set()
+        proc = lab.cli("run", str(TINY), "--slurm", *args)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith(f"error: {message}"), line
+        assert (set(runs.iterdir()) if runs.exists() else set()) == before
+    assert c.run("squeue", "-h", "--states=all", "-o", "%i").stdout.split() == jobs  # nothing reached sbatch
+
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])  # the job's view, from the login node
+    a, b = c.nodes
+    assert first_node_address({"SLURM_JOB_NODELIST": f"{a.name},{b.name}"}) == (a.name, a.addr)
+    with pytest.raises(NodeAddressError, match=f"node {ghost}: its name does not resolve"):
+        first_node_address({"SLURM_JOB_NODELIST": ghost})

@@ -94,3 +94,8 @@ def test_resources_become_job_shapes():
     assert trial_command(command, 0, 1, {}) == command
     assert trial_command(command, 2, 1, {}) == [sys.executable, "-m", "torch.distributed.run",
                                                 "--nproc_per_node=2", "--standalone", "-m", "trial"]
+    # several nodes: torchrun's static rendezvous at the first node, ranks in Slurm's node order
+    # (c10d would ignore --node_rank and give out ranks as the nodes arrive)
+    assert trial_command(command, 2, 2, {"SLURM_NODEID": "1"}, head="10.0.0.1") == [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--nnodes=2", "--node_rank=1",
+        "--rdzv_backend=static", "--master_addr=10.0.0.1", "--master_port=29500", "-m", "trial"]

@@ -97,7 +97,8 @@ def show(
                                    f"{slurm.get('nodes')} node(s) x {slurm.get('gpus_per_node')} GPU(s)")
         for a in slurm.get("attempts") or []:
             moved = f"; moved from {a['moved_from']}: {a['why']}" if a.get("moved_from") else ""
-            table.add_row("  started", f"{a['started']} on {a['node']} (restart {a['restart']}){moved}")
+            where = f"{', '.join(a['nodes'])} (rank 0 on {a['node']}; " if a.get("nodes") else f"{a['node']} ("
+            table.add_row("  started", f"{a['started']} on {where}restart {a['restart']}){moved}")
         table.add_row("job script", str(slurm.get("script")))
     for i, line in enumerate(d["gpu_efficiency"]):
         table.add_row("GPU efficiency" if i == 0 else "", line)

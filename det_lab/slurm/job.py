@@ -13,8 +13,15 @@ runs ``scontrol requeue``. The requeued job starts the driver again, which resum
 the run's latest checkpoint in the same tracker run.
 
 The driver (``python -m det_lab.slurm.job RUN_DIR``) runs once per node: the first node records
-the attempt and the outcome; ``slots_per_trial`` > 1 runs the trial under torchrun (one process
-per GPU; several nodes rendezvous at the first one).
+the attempt (every node of it) and the outcome; ``slots_per_trial`` > 1 runs the trial under
+torchrun, one process per GPU. Several nodes meet in torchrun's *static* rendezvous at the job's
+first node (``scontrol show hostnames``), each with ``--node_rank=$SLURM_NODEID``: global ranks
+follow the node order, so rank 0, the chief that alone writes checkpoints, the run record and the
+tracker's metrics, runs on the first node, the one whose driver records the run. (torchrun's
+``c10d`` rendezvous ignores ``--node_rank`` and hands out ranks in arrival order.) The first node
+is reached by name, or by Slurm's NodeAddr where its name does not resolve
+(:mod:`det_lab.slurm.nodes`); Determined's chief broadcast gets the same address
+(``DET_CHIEF_IP``, read by ``DistributedContext.from_torch_distributed``).
 
 Fencing (:mod:`det_lab.trials.fence`): each start of the job takes the run's next attempt epoch
 before anything else, and its trial gets the attempt's token. Slurm may start a job again while an
@@ -31,10 +38,12 @@ import shlex
 import signal
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from det_lab.settings import load_settings
+from det_lab.slurm.nodes import NodeAddressError, first_node_address, job_nodes
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.trials import local
 from det_lab.trials.fence import ATTEMPT_ENV, STALE_EXIT_CODE, Attempt, Fence, StaleAttempt, begin_attempt, read_attempt
@@ -116,19 +125,19 @@ def render_script(spec: JobSpec, driver: list[str], cwd: Path, env: dict[str, st
     return "\n".join(lines) + "\n"
 
 
-def trial_command(command: list[str], gpus_per_node: int, nodes: int, environ: dict[str, str]) -> list[str]:
-    """The trial's command on this node: as is for one GPU (or none), else under torchrun."""
+def trial_command(command: list[str], gpus_per_node: int, nodes: int, environ: Mapping[str, str],
+                  head: str | None = None) -> list[str]:
+    """The trial's command on this node: as is for one GPU (or none), else under torchrun; on
+    several nodes a static rendezvous at ``head``, the first node's address (see the module docstring)."""
     if gpus_per_node <= 1 and nodes <= 1:
         return command
     python, rest = command[0], command[1:]
     run = [python, "-m", "torch.distributed.run", f"--nproc_per_node={max(gpus_per_node, 1)}"]
     if nodes <= 1:
         return [*run, "--standalone", *rest]
-    head = subprocess.run(["scontrol", "show", "hostnames", environ["SLURM_JOB_NODELIST"]],
-                          capture_output=True, text=True, check=True).stdout.split()[0]
+    head = head or first_node_address(environ)[1]
     return [*run, f"--nnodes={nodes}", f"--node_rank={environ.get('SLURM_NODEID', '0')}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint={head}:{RENDEZVOUS_PORT}",
-            f"--rdzv_id={environ.get('SLURM_JOB_ID', '0')}", *rest]
+            "--rdzv_backend=static", f"--master_addr={head}", f"--master_port={RENDEZVOUS_PORT}", *rest]
 
 
 def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
@@ -141,6 +150,20 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
     if state.get("status") == RunStatus.FINISHED:
         print(f"det-lab: run {state['name']} already finished; nothing to do", flush=True)
         return 0
+    slurm = state.get("slurm") or {}
+    nodes = int(slurm.get("nodes", 1))
+    chief_env: dict[str, str] = {}
+    names: list[str] = []
+    if nodes > 1:
+        try:
+            names = job_nodes(os.environ)
+            head = first_node_address(os.environ)[1]
+        except NodeAddressError as exc:  # refused at submission; a node's name may stop resolving later
+            print(f"det-lab: {exc}", flush=True)
+            if first_node:
+                local.record_exit(run, 2)
+            return 2
+        chief_env["DET_CHIEF_IP"] = head
     try:
         current = _take_attempt(run) if first_node else _join_attempt(run)
     except StaleAttempt as exc:
@@ -149,20 +172,19 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
         return 0
     fence = Fence(run.dir, current.epoch, current.token)
     if first_node:
-        attempt = run.start_attempt(current.epoch)
+        attempt = run.start_attempt(current.epoch, nodes=names)
         if state.get("latest_checkpoint"):
             state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status=RunStatus.RUNNING.value)
             print(f"det-lab: resuming {state['name']} from checkpoint {state['latest_checkpoint']} "
                   f"on {attempt['node']}", flush=True)
         else:
             state = run.update(status=RunStatus.RUNNING.value)
-    slurm = state.get("slurm") or {}
     container = slurm.get("apptainer") or []
     command = trial_command(slurm.get("container_command") if container else state["command"],
-                            int(slurm.get("gpus_per_node", 0)), int(slurm.get("nodes", 1)), dict(os.environ))
+                            int(slurm.get("gpus_per_node", 0)), nodes, os.environ, chief_env.get("DET_CHIEF_IP"))
     command = [*container, *command]  # the trial in the image; this driver stays on the node
     cwd = Path(state["cwd"])
-    env = {**local.trial_env(run, cwd, settings), ATTEMPT_ENV: current.env_value}
+    env = {**local.trial_env(run, cwd, settings), **chief_env, ATTEMPT_ENV: current.env_value}
     with open(run.log_file, "ab") as log:
         proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)

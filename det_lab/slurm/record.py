@@ -4,9 +4,9 @@ Its directory ``<data root>/outputs/<project>/slurm-runs/<name>/`` holds what a 
 (``run.json``, ``train.log``, ``metrics.jsonl``, the tracking journal) plus the job script
 (``job.sbatch``, resubmittable as is) and Slurm's own output (``slurm-<job id>.out``). ``run.json``
 gains a ``slurm`` entry: the job id, and one attempt per start of the job (node, restart count,
-attempt epoch, and how it ended), so a requeued job's history stays readable: a start that follows
-one that never recorded its end says where it moved from and why (``moved_from``, ``why``: the
-previous start's state in Slurm's accounting, such as NODE_FAIL).
+attempt epoch, every node of a multi-node job, and how it ended), so a requeued job's history
+stays readable: a start that follows one that never recorded its end says where it moved from and
+why (``moved_from``, ``why``: the previous start's state in Slurm's accounting, such as NODE_FAIL).
 """
 
 from __future__ import annotations
@@ -42,15 +42,18 @@ class SlurmRunRecord(VolumeRunRecord):
     def set_job(self, job_id: str, **details: Any) -> None:
         self.update(slurm={**self.slurm(), "job_id": job_id, **details})
 
-    def start_attempt(self, epoch: int | None = None) -> dict[str, Any]:
-        """Record this start of the job (inside it): node, restart count, time, attempt epoch, and
-        where and why it moved when the previous start never recorded its end."""
+    def start_attempt(self, epoch: int | None = None, nodes: list[str] | None = None) -> dict[str, Any]:
+        """Record this start of the job (inside it): node, restart count, time, attempt epoch, every
+        node of a multi-node job (``nodes``, the first one running global rank 0), and where and why
+        it moved when the previous start never recorded its end."""
         attempt: dict[str, Any] = {
             "node": os.environ.get("SLURMD_NODENAME", ""), "job_id": os.environ.get("SLURM_JOB_ID", ""),
             "restart": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         if epoch is not None:
             attempt["epoch"] = epoch
+        if nodes and len(nodes) > 1:
+            attempt["nodes"] = list(nodes)
         slurm = self.slurm()
         previous = (slurm.get("attempts") or [None])[-1]
         if previous and "ended" not in previous:  # it died (or was cut off) without recording its end

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from det_lab.errors import UserError
 
 #: Slurm job states after which a job will not run again
@@ -34,6 +34,8 @@ class Partition:
     name: str
     default: bool
     gpus_per_node: list[int]
+    #: node name -> the NodeAddr Slurm has for it (the name itself where slurm.conf gives none)
+    addrs: dict[str, str] = field(default_factory=dict)
 
     @property
     def max_gpus(self) -> int:
@@ -57,20 +59,22 @@ def _slurm(*argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
 
 def partitions() -> dict[str, Partition]:
     """Every partition and its nodes' GPU counts."""
-    proc = _slurm("sinfo", "-h", "-N", "-o", "%P|%N|%G")
+    proc = _slurm("sinfo", "-h", "-N", "-o", "%P|%N|%G|%o")
     if proc.returncode != 0:
         raise SlurmError(f"sinfo failed: {proc.stderr.strip() or proc.stdout.strip()} "
                          f"(is slurmctld running and SLURM_CONF right?)")
     nodes: dict[str, dict[str, int]] = {}
+    addrs: dict[str, dict[str, str]] = {}
     defaults: set[str] = set()
     for line in proc.stdout.splitlines():
-        part, node, gres = (line.split("|") + ["", ""])[:3]
+        part, node, gres, addr = (line.split("|") + ["", "", ""])[:4]
         if part.endswith("*"):
             part = part[:-1]
             defaults.add(part)
         m = _GPU.search(gres)
         nodes.setdefault(part, {})[node] = int(m.group(1)) if m else 0
-    return {p: Partition(p, p in defaults, list(n.values())) for p, n in nodes.items()}
+        addrs.setdefault(part, {})[node] = addr or node
+    return {p: Partition(p, p in defaults, list(n.values()), addrs[p]) for p, n in nodes.items()}
 
 
 def plan_resources(partition: str | None, slots: int) -> tuple[str, int, int]:
@@ -96,11 +100,25 @@ def plan_resources(partition: str | None, slots: int) -> tuple[str, int, int]:
     able = sum(1 for g in part.gpus_per_node if g >= per_node)
     if nodes > able or slots % per_node:
         fits = part.max_gpus * able
+        need = f" ({slots} would take {nodes} nodes)" if nodes > able and not slots % per_node else ""
         raise SlurmError(f"resources.slots_per_trial={slots}: partition {partition} has {len(part.gpus_per_node)} "
                          f"node(s) with at most {part.max_gpus} GPUs each, so a trial fits {part.max_gpus} or fewer "
-                         f"GPUs on one node, or a multiple of {part.max_gpus} up to {fits} across nodes "
+                         f"GPUs on one node, or a multiple of {part.max_gpus} up to {fits} across nodes{need} "
                          f"(e.g. --set resources.slots_per_trial={part.max_gpus}), or pick another --partition")
+    if nodes > 1:
+        check_addresses(part)
     return partition, nodes, per_node
+
+
+def check_addresses(part: Partition) -> None:
+    """Every node a multi-node trial may be given must be reachable by name or by its NodeAddr (as
+    seen from here, the submitting machine): SlurmError naming the first that is not."""
+    from det_lab.slurm.nodes import reachable, unreachable_message
+
+    for node, addr in part.addrs.items():
+        if reachable(node, addr) is None:
+            raise SlurmError(f"partition {part.name}: " + unreachable_message(node, "here")
+                             + " (a trial on one node needs neither)")
 
 
 def sbatch(script: str) -> str:
