@@ -28,6 +28,8 @@ from det_lab.cluster.settings import ClusterSettings
 from tests.standin.agent import Agent
 from tests.standin.master import Master
 from tests.standin.task_config import Image, LinkedUser
+from tests import torchvision_shim
+from tests.lerobot_writer import skip_without_lerobot
 from tests.standin.task_image import make_image
 from tests.task_standin import run_allocation
 from tests.test_standin_master import SEARCHER
@@ -56,6 +58,9 @@ class DetCluster:
             "agentUid": a.uid, "agentGid": lab.gid, "agentUser": a.name, "agentGroup": lab.group})
         # the lab's task image: det_lab in it (this checkout, installed editable in the image's packages)
         base = make_image(lab.base / f"image-{uuid.uuid4().hex[:4]}", probe_uid=a.uid)
+        # a lab's image has a torchvision built for its torch; this machine's PyPI pair does not import
+        # together (tests/torchvision_shim.py): the image's packages declare its ops at the first import
+        (base.dirs[0] / "site-packages" / "zz_torchvision_shim.pth").write_text(torchvision_shim.image_pth_line())
         self.image = Image(base.bin_dir, env=base.env, dirs=[*base.dirs, REPO])
         # 'det-lab cluster link-users' links a member with the lab group as gid (det_lab/cluster/users.py)
         user = LinkedUser(a.name, a.uid, lab.gid, group=lab.group)
@@ -317,6 +322,42 @@ def test_isaac_submitted_with_det_experiment_create_trains_to_completed(det_clus
     assert _master_metrics(det_cluster, trial)["training"]
 
 
+@skip_without_lerobot()
+def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_lerobots_pretrained_model(det_cluster):
+    """LeRobot's ACT (act.yaml, shrunk) through Determined's whole chain in the task stand-in: COMPLETED;
+    the policy's own scalars (loss, l1_loss, kld_loss) in every training report at the master, each step
+    once and equal to MLflow's; each checkpoint on the volume holds LeRobot's pretrained_model/, which
+    ACTPolicy.from_pretrained loads to exactly the weights Determined saved at that step."""
+    import torch
+
+    conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6}, reporting_batches=3)
+    conf["min_validation_period"], conf["min_checkpoint_period"] = {"batches": 6}, {"batches": 3}
+    conf["hyperparameters"].update(val_episodes=1, torch_threads=1)
+    conf["hyperparameters"]["policy"].update(dim_model=32, dim_feedforward=64, n_encoder_layers=1)
+    trial = _check_one_trial(det_cluster, det_cluster.create("vla", conf), "checkpoints/vla")
+    metrics = _master_metrics(det_cluster, trial)
+    assert [s for s, _ in metrics["training"]] == [3, 6] and [s for s, _ in metrics["validation"]] == [6]
+    for _, values in metrics["training"]:
+        assert {"loss", "l1_loss", "kld_loss", "grad_norm", "lr"} <= set(values), values
+    assert metrics["training"][0][1]["loss"] != metrics["training"][1][1]["loss"]
+
+    torchvision_shim.install()  # this process imports LeRobot's ACT too
+    from lerobot.policies.act.modeling_act import ACTPolicy
+
+    ckpts = sorted(_checkpoint_dirs(det_cluster, trial, "checkpoints/vla"), key=lambda c: c[0].metadata["steps_completed"])
+    assert [c.metadata["steps_completed"] for c, _ in ckpts] == [3, 6]
+    weights = []
+    for ckpt, path in ckpts:
+        assert {"pretrained_model/config.json", "pretrained_model/model.safetensors",
+                "pretrained_model/policy_preprocessor.json"} <= set(ckpt.resources), sorted(ckpt.resources)
+        loaded = ACTPolicy.from_pretrained(path / "pretrained_model").state_dict()
+        saved = torch.load(path / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
+        assert sorted(loaded) == sorted(saved)
+        assert all(torch.equal(loaded[k], saved[k]) for k in saved), path
+        weights.append(loaded)
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
+
+
 def test_two_slots_train_two_ranks_through_the_torch_distributed_launcher_and_the_chief_alone_reports(det_cluster):
     """launch/torch_distributed.py: one process per slot (gloo on CPU); core/_train.py reports from the
     chief only, and det_lab's mirror is the chief's: every metric once at the master and in MLflow."""
@@ -433,6 +474,8 @@ def test_the_web_uis_resume_current_trial_continues_a_completed_trial_to_the_lon
         key = "loss" if group == "training" else "val_loss"
         for step in sorted(reference):
             assert continued[step][key] == reference[step][key], (group, step)
+    mirrored = _mlflow_history(det_cluster, trial)  # the trial's one MLflow run, the added steps in it
+    assert mirrored["training/loss"] == [(s, v["loss"]) for s, v in _master_metrics(det_cluster, trial)["training"]]
 
 
 def _apply_template(cluster: DetCluster, name: str, conf: dict[str, Any]) -> None:

@@ -9,8 +9,10 @@ the gRPC code, a plain (codes.Unknown) error turned into Internal, HTTP 500
 (master/internal/grpcutil/errors.go:37-66). Authentication is a bearer token from login, or the
 allocation token a task sends (``Grpc-Metadata-x-allocation-token``, harness common/api/_session.py:331).
 
-The endpoints are in master_client_api.py (what a user's CLI/SDK calls) and master_task_api.py
-(what a trial's harness calls); each names the Determined handler it follows.
+The endpoints are in master_client_api.py (what a user's CLI/SDK calls), master_task_api.py (what a
+trial's harness calls), master_webui_api.py (what only the Web UI calls: continuing an experiment)
+and master_ntsc.py (commands and notebooks with a config template); each names the Determined
+handler it follows.
 """
 
 from __future__ import annotations
