@@ -7,7 +7,8 @@ Each page comes from one place in the code: the CLI from the typer app (every co
 as ``--help`` prints them), the three config references from their pydantic models (every key with
 its type, default and description), the environment variables from ``det_lab.settings.ENV_VARS``,
 the metrics from the exporter's declared series (``det_lab.monitoring.series``, what the
-collector's ``describe()`` returns) and the alerts from ``det_lab.monitoring.rules``. This script
+collector's ``describe()`` returns), the alerts from ``det_lab.monitoring.rules`` and the on-disk
+formats from ``det_lab.ondisk.FORMATS``. This script
 is a docs tool: nothing in det_lab imports it.
 """
 
@@ -330,6 +331,43 @@ def public_api_page() -> str:
     return "".join(out)
 
 
+def on_disk_formats_page() -> str:
+    """The versioned files det_lab leaves for another det_lab (det_lab.ondisk.FORMATS) and the rule."""
+    from det_lab import __version__
+    from det_lab.ondisk import FORMAT_KEY, FORMATS
+
+    out = [HEADER, "# On-disk formats\n\n",
+           "Runs, journals, leases and caches outlive the det_lab that wrote them: a lab upgrades one workstation "
+           "before another, and an older det_lab may list, resume or prune what a newer one wrote. Each file below "
+           "belongs to a format with an integer version, raised only when a change would make an older det_lab "
+           "misread the file (a key added that older readers may ignore raises nothing).\n\n",
+           "- **Stamp.** A JSON file carries `\"" + FORMAT_KEY + "\": {\"name\": ..., \"version\": N}`. A journal "
+           "of JSON lines is versioned by the header file beside it (a run's `run.json` for its `metrics.jsonl`, a "
+           "tracking journal's `run.json` for its segments), since det_lab 0.1.0 takes every line of those files for "
+           "an event; the GPU lease journal, which has no such file, carries the stamp on each line (a key "
+           "0.1.0 ignores). The pickled caches carry their version in their binary header.\n",
+           "- **Older files read.** A file without a stamp is version 1, what det_lab 0.1.0 wrote, and reads as "
+           "it always did (`tests/test_volume_formats.py` reads a volume 0.1.0 wrote: "
+           "`tests/fixtures/volume-0.1.0`).\n",
+           "- **Newer files are refused, in one line**, e.g. `error: .../run.json: run-record format version 2, "
+           f"newer than det_lab {__version__} reads (up to version 1); upgrade det_lab to read it`. "
+           "`det-lab runs list` lists such a run with the status `newer` and that line as a warning.\n",
+           "- **Nothing newer is replaced or removed** by an older det_lab: a newer run record is never saved "
+           "over; `runs delete`/`runs prune` refuse the run; checkpoint retention keeps every checkpoint a newer "
+           "run's record may name; a newer GPU lease is never reaped (and `det-lab gpus`, `det-lab run --local` "
+           "on GPUs refuse until det_lab is upgraded); a newer tracking journal gets no line, and a trial that "
+           "meets one trains on unmirrored, with one warning; a newer cache is passed over and left in place.\n",
+           "\n| format | version | files |\n|---|---|---|\n"]
+    for fmt in FORMATS.values():
+        out.append(f"| `{fmt.name}` | {fmt.version} | {_cell(fmt.files)} |\n")
+    out.append("\nNot versioned by this registry: what other tools define (a checkpoint's `metadata.json` and "
+               "files, Determined's; the DVC cache and the datasets' git repositories; the models store's "
+               "Hugging Face cache layout), the volume's marker `.det-lab/volume.json` (it has its own "
+               "`layout_version`), the dataset registry, pins and snapshot markers, a Slurm search's state, the "
+               "watchdog's journal and notices, and a run's `train.log`.\n")
+    return "".join(out)
+
+
 PAGES: dict[str, Callable[[], str]] = {
     "reference/public-api.md": public_api_page,
     "reference/cli.md": cli_page,
@@ -339,6 +377,7 @@ PAGES: dict[str, Callable[[], str]] = {
     "reference/environment.md": environment_page,
     "reference/metrics.md": metrics_page,
     "reference/alerts.md": alerts_page,
+    "reference/on-disk-formats.md": on_disk_formats_page,
 }
 
 
