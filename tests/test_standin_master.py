@@ -299,3 +299,33 @@ def test_python_m_tests_standin_prints_det_master_and_stops_cleanly_on_sigterm(t
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_continue_trial_in_a_new_experiment_starts_from_the_source_trials_latest_checkpoint(cluster):
+    """ExperimentContinueModal.tsx:205-209 (Continue Trial in New Experiment: createExperiment with
+    parentId and utils/experiment.ts:327-350 trialContinueConfig: the trial's hyperparameters, a single
+    searcher with source_trial_id); experiment.go:138-143,840-869: the source trial's latest checkpoint
+    is the new trial's DET_LATEST_CHECKPOINT (trial.go:530-537), with 0 steps completed. A source trial
+    without a checkpoint is the master's one line and registers nothing."""
+    from determined.common.api import bindings, errors
+    parent = cluster.create(config())
+    cluster.wait_state(parent, "COMPLETED")
+    [source] = [t for t in cluster.master.state.trials.values() if t.experiment.id == parent]
+    sess = cluster.session()
+    conf = yaml.safe_load(bindings.get_GetExperiment(sess, experimentId=parent).experiment.originalConfig)
+    conf["hyperparameters"] = {"lr": {"type": "const", "val": 0.5}, "steps": {"type": "const", "val": 5}}
+    conf["searcher"] = {"name": "single", "metric": "val_loss", "smaller_is_better": True, "source_trial_id": source.id,
+                        "max_length": {"batches": 5}}
+    child = bindings.post_CreateExperiment(sess, body=bindings.v1CreateExperimentRequest(
+        activate=True, config=yaml.safe_dump(conf), parentId=parent)).experiment.id
+    cluster.wait_state(child, "COMPLETED", "ERROR")
+    [trial] = [t for t in cluster.master.state.trials.values() if t.experiment.id == child]
+    logs = cluster.det("trial", "logs", str(trial.id)).stdout
+    assert trial.state == "COMPLETED" and "TRAIN start=3 lr=0.5 run=1" in logs and "DONE step=5" in logs, logs
+
+    conf["searcher"]["source_trial_id"] = 999
+    with pytest.raises(errors.APIException) as refused:
+        bindings.post_CreateExperiment(sess, body=bindings.v1CreateExperimentRequest(
+            activate=True, config=yaml.safe_dump(conf), parentId=parent))
+    assert refused.value.response_error["error"] == "failed to create experiment: no checkpoint found for source trial 999"
+    assert sorted(cluster.master.state.experiments) == [parent, child]

@@ -152,6 +152,9 @@ class HostRunner:
         return args + ["--chdir", WORK_DIR]
 
     def __call__(self, alloc: Allocation, *, kill: threading.Event | None = None) -> TaskExit:
+        if alloc.task_type != "TRIAL":  # CHAIN is a trial's entrypoint.sh; commands need run_allocation
+            return TaskExit(alloc.allocation_id, 1, "", f"stand-in agent: the host runner runs trials only, "
+                            f"not a {alloc.task_type} task (start the stand-in with --wheel-dir)\n")
         root = Path(tempfile.mkdtemp(prefix="det-standin-task-"))
         try:
             run = root / "run"

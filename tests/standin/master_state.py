@@ -110,6 +110,7 @@ class Experiment:
     archived: bool = False
     notes: str = ""
     continue_trials: bool = False  # experiment.go:69: set by ContinueExperiment (api_experiment.go:1553)
+    warm_start: str | None = None  # experiment.go:138-143: searcher.source_trial_id's latest checkpoint
 
 
 @dataclass
@@ -195,13 +196,30 @@ class State:
         with self.lock:
             seed = int((config.get("reproducibility") or {}).get("experiment_seed") or 0)
             searcher = self.searcher_factory(config, seed)
+            warm = self.warm_start(config.get("searcher") or {})
             exp = Experiment(self.next_id("experiment"), config, text, model_def, owner, "PAUSED", searcher, parent_id)
+            exp.warm_start = warm
             self.experiments[exp.id] = exp
             self.handle_actions(exp, exp.searcher.start())
             if activate:
                 self.update_experiment_state(exp, "ACTIVE")
             self.notify()
             return exp
+
+    def warm_start(self, searcher: dict[str, Any]) -> str | None:
+        """experiment.go:840-869 checkpointFromTrialIDOrUUID: the source trial's latest checkpoint (the
+        Web UI's Continue Trial in New Experiment) or the named one; ValueError when there is none."""
+        if searcher.get("source_trial_id") is not None:
+            trial = self.trials.get(int(searcher["source_trial_id"]))
+            latest = self.latest_checkpoint(trial) if trial else None
+            if latest is None:
+                raise ValueError(f"no checkpoint found for source trial {searcher['source_trial_id']}")
+            return latest.uuid
+        if searcher.get("source_checkpoint_uuid") is not None:
+            if searcher["source_checkpoint_uuid"] not in self.checkpoints:
+                raise ValueError(f"no checkpoint found with UUID {searcher['source_checkpoint_uuid']}")
+            return str(searcher["source_checkpoint_uuid"])
+        return None
 
     def transition_ok(self, exp: Experiment, state: str) -> bool | None:
         """model.ExperimentTransitions: None when refused, False when already there, True when moved."""
@@ -331,6 +349,8 @@ class State:
         if latest is not None:
             alloc.latest_checkpoint = latest.uuid
             alloc.steps_completed = int(latest.metadata.get("steps_completed") or 0)
+        else:  # trial.go:530-537: the warm start checkpoint, with 0 steps completed
+            alloc.latest_checkpoint = trial.experiment.warm_start
         trial.alloc = alloc
         trial.allocation_ids.append(alloc.id)
         self.allocs[alloc.id] = alloc

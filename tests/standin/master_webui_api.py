@@ -72,6 +72,7 @@ def continue_experiment(req: Request) -> dict[str, Any]:
         try:  # newExperiment (:1473-1476)
             seed = int((config.get("reproducibility") or {}).get("experiment_seed") or 0)
             searcher = state.searcher_factory(config, seed)
+            warm = state.warm_start(config.get("searcher") or {})
         except (ValueError, ImportError) as exc:
             raise ApiError(13, f"failed to create experiment: {exc}") from exc
         if exp.state not in TERMINAL:  # :1482-1485
@@ -83,7 +84,7 @@ def continue_experiment(req: Request) -> dict[str, Any]:
         if single and trials:  # :1498-1505
             trials[0].state = "PAUSED"
         exp.state, exp.progress, exp.end_time = "PAUSED", 0.0, None  # :1507-1515
-        exp.config, exp.searcher, exp.continue_trials = config, searcher, True  # :1524-1552
+        exp.config, exp.searcher, exp.continue_trials, exp.warm_start = config, searcher, True, warm  # :1524-1552
         for trial in trials:  # :1539-1550
             trial.restarts, trial.end_time = 0, None
         state.handle_actions(exp, searcher.start())  # e.Start (experiment.go:243-313)
