@@ -13,11 +13,14 @@ det_lab itself never imports this module.
 
     import tests.torchvision_shim; tests.torchvision_shim.install()   # in a test, before LeRobot
     python tests/torchvision_shim.py train.py ARGS...                  # a trial process: shim, then run
+    image_pth_line()   # a .pth line for a test's task image: every process declares them at its
+                       # first ``import torchvision`` (what a lab's image, with a matching pair, needs not)
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.abc
 import importlib.util
 import runpy
 import sys
@@ -97,6 +100,31 @@ def install() -> bool:
             pass
         _library.define(schema)
     return True
+
+
+class _InstallFirst(importlib.abc.MetaPathFinder):
+    """Declares the schemas when ``torchvision`` is first imported, then steps aside (finds nothing)."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+        if name == "torchvision":
+            sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+            install()
+        return None
+
+
+def install_on_import() -> None:
+    """:func:`install` at the process's first ``import torchvision`` (nothing is imported before)."""
+    if not any(isinstance(f, _InstallFirst) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstallFirst())
+
+
+def image_pth_line() -> str:
+    """A ``.pth`` line (site-packages runs lines that start with ``import``) that loads this file by
+    its path and calls :func:`install_on_import`: a test image's packages get it, no ``tests`` import."""
+    # kept in sys.modules: the Library holding the definitions must live as long as the process
+    return (f"import importlib.util as _u, sys; _s = _u.spec_from_file_location('det_lab_torchvision_shim', "
+            f"{str(Path(__file__).resolve())!r}); _m = sys.modules.setdefault(_s.name, _u.module_from_spec(_s)); "
+            "_s.loader.exec_module(_m); _m.install_on_import()\n")
 
 
 def _main(argv: list[str]) -> None:
