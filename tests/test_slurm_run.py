@@ -16,7 +16,9 @@ import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
+from tests import torchvision_shim
 from tests.conftest import VENV_BIN, Lab
+from tests.lerobot_writer import skip_without_lerobot
 from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster, slurm_volume  # noqa: F401 (fixtures)
 
 #: short runs: enough steps for a checkpoint, a validation and a requeue in between
@@ -240,6 +242,11 @@ def _existing(lab: Lab) -> set[Path]:
      "trainer: unknown key"),
     (["--set", "searcher.name=random", "--set", "searcher.max_trials=2", "--set", "data.det_lab.dataset=no-such-data"],
      "no dataset named 'no-such-data'"),
+    # base models come from the volume's model store: checked on the login node, before sbatch
+    (["--set", "data.det_lab.base_model=lab/absent-vlm"],
+     "data.det_lab.base_model: base model lab/absent-vlm is not on the volume"),
+    (["--set", "hyperparameters.policy.name=act", "--set", "hyperparameters.policy.pretrained=lab/act-absent"],
+     "det-lab models import DIR lab/act-absent"),
 ])
 def test_refusals_are_one_line_and_leave_nothing(slurm_lab, args, message):
     before = _existing(slurm_lab)
@@ -348,3 +355,44 @@ def test_run_names_a_new_slurm_run_and_a_taken_name_is_refused(slurm_lab):
     resumed = slurm_lab.cli("run", str(TINY), "--slurm", "--resume", "--run", "named-on-slurm")
     assert resumed.returncode == 2 and "resumes by resubmitting its job script" in resumed.stderr
     _nothing_created(slurm_lab, before)
+
+
+@skip_without_lerobot()
+def test_lerobots_act_trains_through_slurm_and_each_checkpoint_holds_its_pretrained_model(slurm_lab, tmp_path):
+    """act.yaml (shrunk) through det-lab run --slurm --wait: the job trains LeRobot's ACT, reports its
+    scalars, and each checkpoint on the volume holds LeRobot's pretrained_model/, which
+    ACTPolicy.from_pretrained loads to exactly the weights saved at that step."""
+    import torch
+
+    # the node's Python: a lab's has a torchvision built for its torch; here a sitecustomize declares
+    # its ops at the first import (tests/torchvision_shim.py), as the task image of the Determined tests does
+    node_site = tmp_path / "node-site"
+    node_site.mkdir()
+    (node_site / "sitecustomize.py").write_text(torchvision_shim.image_pth_line())
+    sets = ["--set", "data.det_lab.max_length.batches=6", "--set", "min_checkpoint_period.batches=3",
+            "--set", "min_validation_period.batches=6", "--set", "data.det_lab.reporting_batches=3",
+            "--set", "hyperparameters.val_episodes=1", "--set", "hyperparameters.torch_threads=1",
+            "--set", "hyperparameters.policy.dim_model=32", "--set", "hyperparameters.policy.dim_feedforward=64",
+            "--set", "hyperparameters.policy.n_encoder_layers=1", "--set", "checkpoint_storage.save_trial_latest=2"]
+    act = Path(__file__).resolve().parents[1] / "experiment_templates" / "vla" / "act.yaml"
+    proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", "vla", "--slurm", "--wait", "--exp-config", str(act),
+                           *sets], env={**slurm_lab.env, "PYTHONPATH": str(node_site)}, cwd=slurm_lab.config.parent,
+                          capture_output=True, text=True, timeout=500)
+    run_dir = run_named(slurm_lab, proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr + (run_dir / "train.log").read_text()[-3000:]
+    st = state(run_dir)
+    assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [3, 6]
+    for key in ("loss", "l1_loss", "kld_loss"):
+        assert sorted(metrics(run_dir, "training", key)) == [3, 6], key
+
+    torchvision_shim.install()  # this process loads LeRobot's ACT too
+    from lerobot.policies.act.modeling_act import ACTPolicy
+
+    weights = []
+    for ckpt in st["checkpoints"]:
+        path = slurm_lab.root / "checkpoints" / "vla" / ckpt["uuid"]
+        loaded = ACTPolicy.from_pretrained(path / "pretrained_model").state_dict()
+        saved = torch.load(path / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
+        assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved), path
+        weights.append(loaded)
+    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
