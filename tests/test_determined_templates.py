@@ -358,6 +358,25 @@ def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_l
     assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
 
 
+def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_line_before_it_trains(det_cluster):
+    """A config through det experiment create had no det-lab preflight: the trial's start checks the
+    base models it loads (det_lab/trials/base_models.py) before the pull, and ends in the line naming
+    the import, with no metric and no checkpoint (LeRobot is not even imported)."""
+    conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6})
+    conf["hyperparameters"]["policy"]["pretrained_backbone_weights"] = "ResNet18_Weights.IMAGENET1K_V1"
+    exp_id = det_cluster.create("vla", conf)
+    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "ERROR", det_cluster.task_output(exp_id)
+    (trial,) = det_cluster.trials(exp_id)
+    logs = det_cluster.det("trial", "logs", str(trial.id)).stdout
+    (line,) = [ln for ln in logs.splitlines() if "error: " in ln]
+    assert "hyperparameters.policy.pretrained_backbone_weights: torch hub weights resnet18-f37072fd.pth are not on " \
+           "the volume" in line and "det-lab models import ~/.cache/torch/hub/checkpoints/resnet18-f37072fd.pth" in line
+    # the trial's own output has no traceback (the torch_distributed launcher prints one after the
+    # line for any rank that exits non-zero: Determined's own)
+    assert "Traceback" not in logs.split(line)[0], logs[-3000:]
+    assert not _master_metrics(det_cluster, trial) and not _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
+
+
 def test_two_slots_train_two_ranks_through_the_torch_distributed_launcher_and_the_chief_alone_reports(det_cluster):
     """launch/torch_distributed.py: one process per slot (gloo on CPU); core/_train.py reports from the
     chief only, and det_lab's mirror is the chief's: every metric once at the master and in MLflow."""
