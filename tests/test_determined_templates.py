@@ -11,6 +11,7 @@ shows), the checkpoints on the volume and through the SDK, the run's own metrics
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import subprocess
@@ -322,19 +323,29 @@ def test_isaac_submitted_with_det_experiment_create_trains_to_completed(det_clus
     assert _master_metrics(det_cluster, trial)["training"]
 
 
+@pytest.fixture(scope="module")
+def act_experiments(det_cluster) -> dict[str, int]:
+    """Two act.yaml experiments submitted together, so they run side by side on the agent's two slots:
+    ``trains`` (shrunk, to its end) and ``no_backbone`` (ImageNet weights the volume lacks)."""
+    conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6}, reporting_batches=3)
+    conf["min_validation_period"], conf["min_checkpoint_period"] = {"batches": 6}, {"batches": 3}
+    conf["hyperparameters"].update(val_episodes=1, torch_threads=1)
+    conf["hyperparameters"]["policy"].update(dim_model=32, dim_feedforward=64, n_encoder_layers=1)
+    bad = copy.deepcopy(conf)
+    bad["hyperparameters"]["policy"]["pretrained_backbone_weights"] = "ResNet18_Weights.IMAGENET1K_V1"
+    return {"no_backbone": det_cluster.create("vla", bad), "trains": det_cluster.create("vla", conf)}
+
+
 @skip_without_lerobot()
-def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_lerobots_pretrained_model(det_cluster):
+def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_lerobots_pretrained_model(
+        det_cluster, act_experiments):
     """LeRobot's ACT (act.yaml, shrunk) through Determined's whole chain in the task stand-in: COMPLETED;
     the policy's own scalars (loss, l1_loss, kld_loss) in every training report at the master, each step
     once and equal to MLflow's; each checkpoint on the volume holds LeRobot's pretrained_model/, which
     ACTPolicy.from_pretrained loads to exactly the weights Determined saved at that step."""
     import torch
 
-    conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6}, reporting_batches=3)
-    conf["min_validation_period"], conf["min_checkpoint_period"] = {"batches": 6}, {"batches": 3}
-    conf["hyperparameters"].update(val_episodes=1, torch_threads=1)
-    conf["hyperparameters"]["policy"].update(dim_model=32, dim_feedforward=64, n_encoder_layers=1)
-    trial = _check_one_trial(det_cluster, det_cluster.create("vla", conf), "checkpoints/vla")
+    trial = _check_one_trial(det_cluster, act_experiments["trains"], "checkpoints/vla")
     metrics = _master_metrics(det_cluster, trial)
     assert [s for s, _ in metrics["training"]] == [3, 6] and [s for s, _ in metrics["validation"]] == [6]
     for _, values in metrics["training"]:
@@ -358,13 +369,12 @@ def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_l
     assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
 
 
-def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_line_before_it_trains(det_cluster):
+def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_line_before_it_trains(
+        det_cluster, act_experiments):
     """A config through det experiment create had no det-lab preflight: the trial's start checks the
     base models it loads (det_lab/trials/base_models.py) before the pull, and ends in the line naming
     the import, with no metric and no checkpoint (LeRobot is not even imported)."""
-    conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6})
-    conf["hyperparameters"]["policy"]["pretrained_backbone_weights"] = "ResNet18_Weights.IMAGENET1K_V1"
-    exp_id = det_cluster.create("vla", conf)
+    exp_id = act_experiments["no_backbone"]
     assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "ERROR", det_cluster.task_output(exp_id)
     (trial,) = det_cluster.trials(exp_id)
     logs = det_cluster.det("trial", "logs", str(trial.id)).stdout
