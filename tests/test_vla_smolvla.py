@@ -26,7 +26,7 @@ import yaml
 
 from tests.conftest import VENV_BIN, Lab
 from tests.lerobot_writer import skip_without_lerobot
-from tests.tiny_smolvla import BASE_ID, BASE_KEYS, VLM_ID
+from tests.tiny_smolvla import BASE_CAMERA, BASE_ID, BASE_KEYS, CAMERA, VLM_ID
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "experiment_templates" / "vla"
@@ -40,7 +40,8 @@ RUN_SETS = ("--set", f"entrypoint=python3 -m determined.launch.torch_distributed
             "--set", "hyperparameters.torch_threads=1", "--set", "data.det_lab.reporting_batches=1",
             "--set", "hyperparameters.policy.optimizer_lr=0.001",
             "--set", "hyperparameters.policy.scheduler_warmup_steps=1",
-            "--set", "hyperparameters.policy.scheduler_decay_steps=6")
+            "--set", "hyperparameters.policy.scheduler_decay_steps=6",
+            "--set", f"hyperparameters.policy.rename_map={{{CAMERA}: {BASE_CAMERA}}}")
 
 pytestmark = [skip_without_lerobot(),
               pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("transformers", "num2words")),
@@ -211,9 +212,17 @@ def test_a_base_missing_from_the_store_is_one_line_naming_the_import(smolvla):
 
 
 def test_state_and_action_wider_than_the_base_takes_are_one_line(smolvla):
-    refused = smolvla["seen"]["det_lab"]["refused"]
+    refused = smolvla["seen"]["det_lab"]["refused"]["wide"]
     assert refused and "\n" not in refused, refused
     assert "observation.state" in refused and BASE_ID in refused and "[9]" in refused, refused
+
+
+def test_cameras_named_otherwise_than_the_bases_without_a_rename_map_are_one_line(smolvla):
+    """The fine-tune above maps the dataset's camera to the base's (policy.rename_map); without
+    the map LeRobot's make_policy would refuse it with a traceback: det_lab says it first, in one line."""
+    refused = smolvla["seen"]["det_lab"]["refused"]["cameras"]
+    assert refused and "\n" not in refused, refused
+    assert CAMERA in refused and BASE_CAMERA in refused and "rename_map" in refused, refused
 
 
 # --- the shipped configs ------------------------------------------------------------------------------

@@ -125,13 +125,15 @@ def _rename(path: Path, old: str, new: str) -> None:
 # --- the child process ---------------------------------------------------------------------------
 
 CAMERA = "observation.images.front"
+#: the base's camera: named otherwise than the datasets', as the real base's cameras are named otherwise than a lab's
+BASE_CAMERA = "observation.images.top"
 LENGTHS = (9, 12, 7, 10)  # episodes of different lengths: chunks padded at each end
 #: three batches by dataset index, each touching episode starts and ends
 BATCHES = ([0, 8, 9, 20, 21, 27, 30, 37], [1, 2, 10, 15, 22, 28, 33, 36], [3, 5, 11, 19, 23, 29, 31, 35])
 SEED = 7
 #: the fine-tune's keys (policy.* in an experiment config): a short schedule, so its LR moves each step
-FINE_TUNE = {"name": "smolvla", "pretrained": BASE_ID, "optimizer_lr": 1e-3, "scheduler_warmup_steps": 1,
-             "scheduler_decay_steps": 6}
+FINE_TUNE = {"name": "smolvla", "pretrained": BASE_ID, "rename_map": {CAMERA: BASE_CAMERA}, "optimizer_lr": 1e-3,
+             "scheduler_warmup_steps": 1, "scheduler_decay_steps": 6}
 
 
 def write_dataset(root: Path, state: int = 3, action: int = 2) -> Path:
@@ -179,12 +181,13 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
     from lerobot.utils.random_utils import set_seed
 
     set_seed(SEED)
-    keys = {k: v for k, v in FINE_TUNE.items() if k not in ("name", "pretrained")}
+    keys = {k: v for k, v in FINE_TUNE.items() if k not in ("name", "pretrained", "rename_map")}
+    rename_map = dict(FINE_TUNE["rename_map"])  # lerobot-train's --rename_map
     cfg = dataclasses.replace(PreTrainedConfig.from_pretrained(BASE_ID), device="cpu", **keys)
     cfg.pretrained_path = BASE_ID
     meta = LeRobotDatasetMetadata("local/smolvla", root=root)
     dataset = LeRobotDataset("local/smolvla", root=root, delta_timestamps=resolve_delta_timestamps(cfg, meta))
-    policy = make_policy(cfg=cfg, ds_meta=dataset.meta, rename_map={})
+    policy = make_policy(cfg=cfg, ds_meta=dataset.meta, rename_map=rename_map)
     stats = dataset.meta.stats
     preprocessor, _ = make_pre_post_processors(
         policy_cfg=cfg, pretrained_path=cfg.pretrained_path, dataset_stats=stats,
@@ -193,7 +196,7 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
             "normalizer_processor": {"stats": stats, "features": {**policy.config.input_features,
                                                                   **policy.config.output_features},
                                      "norm_map": policy.config.normalization_mapping},
-            "rename_observations_processor": {"rename_map": {}}},
+            "rename_observations_processor": {"rename_map": rename_map}},
         postprocessor_overrides={"unnormalizer_processor": {
             "stats": stats, "features": policy.config.output_features,
             "norm_map": policy.config.normalization_mapping}})
@@ -237,11 +240,14 @@ def _det_lab_steps(root: Path) -> dict[str, Any]:
     meta = dataset_meta(frames)
     wide = {**meta.features, "observation.state": {**meta.features["observation.state"], "shape": (9,)},
             "action": {**meta.features["action"], "shape": (9,)}}
-    try:
-        build_training(parse_policy(FINE_TUNE), dataclasses.replace(meta, features=wide), total_steps=1)
-        refused = ""
-    except PolicyError as exc:
-        refused = str(exc)
+    refused = {}
+    for case, choice, case_meta in (("wide", FINE_TUNE, dataclasses.replace(meta, features=wide)),
+                                    ("cameras", {k: v for k, v in FINE_TUNE.items() if k != "rename_map"}, meta)):
+        try:
+            build_training(parse_policy(choice), case_meta, total_steps=1)
+            refused[case] = ""
+        except PolicyError as exc:
+            refused[case] = str(exc)
     return {"losses": losses, "metric_keys": sorted(keys), "initial": initial, "refused": refused,
             "params": {k: v.detach().clone() for k, v in training.policy.state_dict().items()}}
 
@@ -319,7 +325,7 @@ def _child(workdir: Path) -> None:
 
     torchvision_shim.install()
     vlm = write_tiny_vlm(workdir / "vlm")
-    write_tiny_base(workdir / "base", vlm, VLM_ID, {"observation.state": (6,), CAMERA: (3, IMAGE_SIZE, IMAGE_SIZE),
+    write_tiny_base(workdir / "base", vlm, VLM_ID, {"observation.state": (6,), BASE_CAMERA: (3, IMAGE_SIZE, IMAGE_SIZE),
                                                      "action": (6,)})
     dataset = write_dataset(workdir / "dataset")
     say("made")

@@ -4,6 +4,7 @@
       name: act                 # det_lab (the template's own transformer) or a LeRobot policy type
       pretrained: null          # or a hub id in the volume's model store (lerobot/smolvla_base),
                                 # or a local directory holding a LeRobot ``pretrained_model/``
+      rename_map: {}            # dataset key -> the pretrained model's key (lerobot-train's --rename_map)
       dim_model: 64             # any other key: a field of LeRobot's policy config (ACTConfig, ...)
 
 The policy type is ``name`` (as LeRobot's policy classes name themselves: ``ACTPolicy.name``), not
@@ -24,7 +25,7 @@ from det_lab.policies.errors import PolicyError
 
 #: the template's own model (experiment_templates/vla/model.py): no LeRobot import at all
 DEFAULT_TYPE = "det_lab"
-_RESERVED = ("name", "type", "pretrained")
+_RESERVED = ("name", "type", "pretrained", "rename_map")
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,7 @@ class PolicyChoice:
     type: str = DEFAULT_TYPE
     pretrained: Path | str | None = None  # a directory, or a hub id the volume's model store serves
     overrides: dict[str, Any] = field(default_factory=dict)
+    rename_map: dict[str, str] = field(default_factory=dict)  # dataset key -> the policy's (cameras)
 
     @property
     def is_lerobot(self) -> bool:
@@ -62,7 +64,12 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
     if kind == DEFAULT_TYPE and overrides:
         raise PolicyError(f"hyperparameters.policy: {sorted(overrides)} are LeRobot policy keys, but the policy is "
                           f"{DEFAULT_TYPE} (its sizes are under hyperparameters.model); set policy.name")
-    return PolicyChoice(kind, _pretrained(section.get("pretrained"), kind), overrides)
+    renames = section.get("rename_map") or {}
+    if not isinstance(renames, Mapping) or not all(isinstance(v, str) for v in renames.values()):
+        raise PolicyError("hyperparameters.policy.rename_map must map dataset keys to the policy's, such as "
+                          f"{{observation.images.front: observation.images.camera1}}, got {renames!r}")
+    return PolicyChoice(kind, _pretrained(section.get("pretrained"), kind), overrides,
+                        {str(k): v for k, v in renames.items()})
 
 
 def _pretrained(value: Any, kind: str) -> Path | str | None:

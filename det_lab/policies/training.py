@@ -225,9 +225,10 @@ def delta_indices(cfg: Any, meta: DatasetMeta) -> dict[str, list[int]] | None:
     return cast("dict[str, list[int]]", get_delta_indices(timestamps, meta.fps))
 
 
-def check_features(cfg: Any, meta: DatasetMeta) -> None:
+def check_features(cfg: Any, meta: DatasetMeta, rename_map: dict[str, str] | None = None) -> None:
     """Refuse a dataset without what the policy needs (``validate_features`` on the dataset's
-    features, as ``make_policy`` sets them), before anything is built."""
+    features, as ``make_policy`` sets them), or, without ``rename_map``, with cameras that are
+    neither a subset nor a superset of the policy's (``make_policy``'s own rule), before anything is built."""
     from lerobot.configs.types import FeatureType
     from lerobot.datasets.utils import dataset_to_policy_features
 
@@ -244,6 +245,11 @@ def check_features(cfg: Any, meta: DatasetMeta) -> None:
     except (ValueError, KeyError) as exc:
         raise PolicyError(f"{meta.root}: policy {cfg.type} cannot train on this dataset: {_one_line(exc)} "
                           f"(its features: {has})") from None
+    theirs = {k for k, ft in probe.input_features.items() if ft.type is FeatureType.VISUAL}
+    ours = {k for k, ft in features.items() if ft.type is FeatureType.VISUAL}
+    if not rename_map and not (theirs <= ours or ours <= theirs):
+        raise PolicyError(f"{meta.root}: the dataset's cameras {sorted(ours)} are not the policy's {sorted(theirs)}; "
+                          "map them with hyperparameters.policy.rename_map: {dataset key: policy key}")
 
 
 def check_pretrained_sizes(cfg: Any, meta: DatasetMeta) -> None:
@@ -275,10 +281,10 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
 
     device_type = torch.device(device).type
     cfg = make_config(choice, device_type)
-    check_features(cfg, meta)
+    check_features(cfg, meta, choice.rename_map)
     if cfg.pretrained_path is not None:
         check_pretrained_sizes(cfg, meta)
-    policy = make_policy(cfg, ds_meta=meta)
+    policy = make_policy(cfg, ds_meta=meta, rename_map=choice.rename_map or None)
     model = wrap_model(policy)
     processor_kwargs: dict[str, Any] = {"dataset_stats": meta.stats}
     if cfg.pretrained_path is not None:  # the pretrained processors, renormalised to this dataset
@@ -287,7 +293,7 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
             "device_processor": {"device": device_type},
             "normalizer_processor": {"stats": meta.stats, "features": features,
                                      "norm_map": cfg.normalization_mapping},
-            "rename_observations_processor": {"rename_map": {}},
+            "rename_observations_processor": {"rename_map": dict(choice.rename_map)},
         }
         processor_kwargs["postprocessor_overrides"] = {
             "unnormalizer_processor": {"stats": meta.stats, "features": cfg.output_features,
