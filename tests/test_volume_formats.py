@@ -135,7 +135,7 @@ def test_this_det_lab_updates_a_010_run_keeping_its_record_and_stamping_it(old):
 
 
 def test_a_newer_run_record_is_refused_never_saved_over_nor_deleted(old):
-    lab, _, v = old
+    lab, settings, v = old
     path = v / RUN_DIR / "run.json"
     path.write_text(json.dumps({**json.loads(path.read_text()), FORMAT_KEY: newer(ondisk.RUN_RECORD)}))
     kept = path.read_bytes()
@@ -147,6 +147,16 @@ def test_a_newer_run_record_is_refused_never_saved_over_nor_deleted(old):
     one_line(listed.stderr, path, ondisk.RUN_RECORD)
     deleted = lab.cli("runs", "delete", RUN, "--yes")
     assert deleted.returncode != 0 and "upgrade det_lab to read it" in deleted.stderr
+    pruned = lab.cli("runs", "prune", "--older-than", "1m", "--yes", check=True)
+    assert f"not deleted: {RUN} (" in pruned.stdout and ", newer): " in pruned.stdout
+    gc = lab.cli("data", "gc", check=True)  # the project's datasets are kept: what the run uses is unknown
+    one_line(gc.stderr.removeprefix("warning: vla: ").removesuffix(": nothing of this project is collected\n"),
+             path, ondisk.RUN_RECORD)
+    from det_lab.monitoring.source_runs import RunsSource
+
+    counted = {s.labels["status"]: s.value for fam in RunsSource(settings).collect() for s in fam.samples
+               if s.name == "det_lab_runs"}
+    assert counted == {"newer": 1}  # the exporter counts it as such, not as damaged
     with pytest.raises(NewerFormat):
         LocalRunRecord(path.parent).save({"name": RUN, "status": "failed"})
     assert path.read_bytes() == kept and (v / "lab-data/checkpoints/vla" / LATEST / "metadata.json").is_file()

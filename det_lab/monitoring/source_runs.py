@@ -24,6 +24,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
+from det_lab.ondisk import NewerFormat
 from det_lab.settings import LabSettings
 from det_lab.trials import record as records
 from det_lab.trials.listing import read_signed, stat_signature, user_name
@@ -49,7 +50,7 @@ class _Seen:
 
     signature: list[int]
     template: str
-    status: str  # run.json's; "damaged" or "unreadable" when it cannot be read
+    status: str  # run.json's; "damaged", "unreadable" or "newer" (a newer det_lab's) when it cannot be read
     user: str
     gpus: tuple[tuple[str, float | None, int], ...] = ()  # (index, mean utilization %, peak bytes) of gpu_efficiency
 
@@ -97,8 +98,9 @@ class RunsSource(VolumeReader):
             state = records.parse_run_file(data, path)  # whole: its gpu_efficiency too
             seen = _Seen(signature, str(state.get("template") or ""), str(state.get("status") or ""),
                          str(state.get("user") or user_name(signature[3], self._users)), _efficiency(state))
-        except ValueError:
-            seen = _Seen(signature, "", "damaged", user_name(signature[3], self._users))
+        except ValueError as exc:  # a newer det_lab's run is counted as such, not as damaged
+            seen = _Seen(signature, "", "newer" if isinstance(exc, NewerFormat) else "damaged",
+                         user_name(signature[3], self._users))
         self._seen[path] = seen
         return seen
 
@@ -122,7 +124,7 @@ class RunsSource(VolumeReader):
                     continue
                 listed.add(key)
                 status = seen.status
-                if kind == "local" and status not in ("damaged", "unreadable"):
+                if kind == "local" and status not in ("damaged", "unreadable", "newer"):
                     status = training_status({"status": status}, directory)
                 status = status or "created"
                 counts[(project, kind, seen.template, status)] += 1

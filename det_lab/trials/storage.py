@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
-from det_lab.ondisk import RUN_FACTS_CACHE
+from det_lab.ondisk import RUN_FACTS_CACHE, RUN_RECORD, check, newer_file
 from det_lab.settings import LabSettings
 from det_lab.trials.expconf import project_of
 from det_lab.trials import cachefile
@@ -106,6 +106,7 @@ class FactsCache:
             state = loads(f.read())
         if not isinstance(state, dict):
             raise ValueError(f"{path}: not a JSON object")
+        check(state, RUN_RECORD, path)  # a newer det_lab's run: NewerFormat (a ValueError), never misread
         facts = _facts(state, st.st_mtime)
         self.seen[path] = (st.st_ino, st.st_size, st.st_mtime_ns, tuple(facts))
         self.read_again += 1
@@ -198,7 +199,10 @@ def _collect(settings: LabSettings, use: RunDataUse, days: float, yes: bool) -> 
 
     for project in sorted(blocked):
         files = use.unreadable[project]
-        made.projects.append(ProjectGc(project, skipped=f"{files[0]}{f' and {len(files) - 1} more' if len(files) > 1 else ''}"
+        newer = newer_file(files[0], RUN_RECORD)
+        more = f" (and {len(files) - 1} more run records cannot be read)" if len(files) > 1 else ""
+        made.projects.append(ProjectGc(project, skipped=f"{newer}{more}: nothing of this project is collected" if newer else
+                                       f"{files[0]}{f' and {len(files) - 1} more' if len(files) > 1 else ''}"
                                        " cannot be read: the dataset it needs is unknown, so nothing of this "
                                        "project is collected; fix or remove that run record"))
     made.projects.sort(key=lambda p: p.project)
