@@ -142,6 +142,9 @@ def test_a_newer_run_record_is_refused_never_saved_over_nor_deleted(old):
     shown = lab.cli("runs", "show", RUN)
     assert shown.returncode == 2
     one_line(shown.stderr, path, ondisk.RUN_RECORD)
+    resumed = lab.cli("run", "vla", "--local", "--resume", "--run", RUN)
+    assert resumed.returncode == 2
+    one_line(resumed.stderr, path, ondisk.RUN_RECORD)
     listed = lab.cli("runs", "list", "--json", check=True)
     assert json.loads(listed.stdout.splitlines()[0])["status"] == "newer"
     one_line(listed.stderr, path, ondisk.RUN_RECORD)
@@ -194,6 +197,10 @@ def test_a_newer_tracking_journal_is_left_alone(old, caplog):
         Journal(journal).run()
     one_line(str(exc.value), head, ondisk.TRACKING_JOURNAL)
     assert pending(journal) > 0
+    from det_lab.monitoring import source_trackers
+
+    with pytest.raises(NewerFormat):  # the exporter counts it among the journals it cannot read
+        source_trackers.backlog(journal)
     prune.execute(settings, prune.Plan())  # would remove a deleted run's journal once delivered
     with caplog.at_level(logging.WARNING, logger="det_lab"):  # a trial of this det_lab on it: trains on
         mirror = Mirror(RunInfo(key="local-gone", name="gone", experiment="det_lab/vla"),

@@ -23,6 +23,7 @@ from prometheus_client.core import Metric
 
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.net import http_answers
+from det_lab.ondisk import TRACKING_JOURNAL, check
 from det_lab.tracking.journal import JournalReader
 from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, find_journals
 from det_lab.volume import VolumeLayout
@@ -64,7 +65,7 @@ def last_seq(directory: Path) -> int:
 
 def backlog(directory: Path) -> dict[str, tuple[int, float | None]]:
     """Per backend of the journal: undelivered events and the timestamp of the oldest of them."""
-    run = _json(directory / RUN_FILE)
+    run = check(_json(directory / RUN_FILE), TRACKING_JOURNAL, directory / RUN_FILE)  # newer: NewerFormat, counted damaged
     backends = run.get("backends") if isinstance(run, dict) else None
     if not isinstance(backends, list):
         raise ValueError(f"{directory / RUN_FILE} is missing or damaged")
