@@ -109,7 +109,7 @@ def version_of(data: object, fmt: Format, path: Path | str) -> int:
     mark = data[FORMAT_KEY]
     version = mark.get("version") if isinstance(mark, dict) else None
     if type(version) is not int or version < 1 or mark.get("name") != fmt.name:
-        raise NewerFormat(path, fmt, json.dumps(mark) if version is None else version)
+        raise NewerFormat(path, fmt, json.dumps(mark, sort_keys=True))
     if version > fmt.version:
         raise NewerFormat(path, fmt, version)
     return version
@@ -172,8 +172,3 @@ def warn_once(refusal: NewerFormat, consequence: str) -> None:
     if refusal.path not in _warned:
         _warned.add(refusal.path)
         log.warning("%s; %s", refusal, consequence)
-
-
-def table() -> list[dict[str, Any]]:
-    """Every format as the docs and ``det-lab --version`` may show it: name, version, files."""
-    return [f._asdict() for f in FORMATS.values()]
