@@ -149,8 +149,10 @@ def test_smolvla_yaml_fine_tunes_the_stored_base_offline(smolvla):
     assert smolvla["run"]["code"] == 0, smolvla["run"]["output"][-3000:]
     assert state["status"] == "finished" and state["latest_checkpoint_step"] == 3
     assert state["hparams"]["policy"]["pretrained"] == BASE_ID
-    losses = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert sorted(r["step"] for r in losses if r["group"] == "training" and "loss" in r["metrics"]) == [1, 2, 3]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(r["step"] for r in records if r["group"] == "training" and "loss" in r["metrics"]) == [1, 2, 3]
+    (validation,) = [r["metrics"] for r in records if r["group"] == "validation"]
+    assert {"val_loss", "val_action_l1", "val_action_l1_first"} <= set(validation)
     # the lineage names the revisions of the base and its VLM the store served
     from det_lab.models import ModelStoreLayout
 
