@@ -26,6 +26,7 @@ import platform
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,7 @@ def main() -> None:
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TQDM_DISABLE",
                 "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(key, "1")
+    warnings.filterwarnings("ignore", message="Cannot enable progress bars")  # LeRobot asks; the variable wins
     shim()
     import lerobot
     from lerobot.utils.random_utils import set_seed
