@@ -294,3 +294,25 @@ def test_writers_stamp_their_format(old):
         ondisk.RUN_RECORD, ondisk.RUN_ATTEMPT, ondisk.TRACKING_JOURNAL, ondisk.GPU_LEASE, ondisk.RUNS_LISTING_CACHE,
         ondisk.GPU_LEASE_JOURNAL)}
     assert fence.read_attempt(run.dir) == attempt and run.state()["name"] == "new"
+
+
+def test_tracking_sync_of_all_journals_names_the_ones_it_cannot_read_and_goes_on(old):
+    """A newer journal and a damaged one waiting on the volume: ``det-lab tracking sync`` names
+    each in one line, leaves them byte-equal and exits 1 (it stopped at the first with a
+    traceback-free error and never reached the rest)."""
+    lab, _, v = old
+    journals = v / "lab-data/outputs/vla/tracking-journal"
+    newer_j, damaged_j = journals / "local-a-newer", journals / "local-b-damaged"
+    for j in (newer_j, damaged_j):
+        shutil.copytree(v / RUN_DIR / "tracking-journal", j)
+    head = newer_j / "run.json"
+    head.write_text(json.dumps({**json.loads(head.read_text()), FORMAT_KEY: newer(ondisk.TRACKING_JOURNAL)}))
+    (damaged_j / "run.json").write_text("{not json")
+    before = {j: {p.name: p.read_bytes() for p in j.iterdir()} for j in (newer_j, damaged_j)}
+    proc = lab.cli("tracking", "sync")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    warned = [ln for ln in proc.stderr.splitlines() if ln.startswith("warning: ")]
+    assert len(warned) == 2 and str(newer_j) in warned[0] and str(damaged_j) in warned[1], proc.stderr
+    one_line(warned[0].removesuffix("; left as it is"), head, ondisk.TRACKING_JOURNAL)
+    assert "Traceback" not in proc.stderr and proc.stderr.count("error: ") == 1
+    assert {j: {p.name: p.read_bytes() for p in j.iterdir()} for j in (newer_j, damaged_j)} == before

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from det_lab.cli.common import console, fail, print_json, state
+from det_lab.cli.common import console, err_console, fail, print_json, state
 
 app = typer.Typer(help="Experiment tracking: MLflow server, undelivered journals.", no_args_is_help=True)
 
@@ -42,20 +42,21 @@ def status_(
 @app.command("sync")
 def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="One journal (default: all waiting).")) -> None:
     """Deliver events that runs journaled while their tracker was down."""
-    from det_lab.tracking.sync import pending, sync
+    from det_lab.tracking.sync import sync, sync_waiting
     from det_lab.trials.record import volume_journals as find_journals
 
     settings = state(ctx).settings
-    journals = [journal] if journal else [j for j in find_journals(settings) if pending(j)]
     if journal and not (journal / "run.json").is_file():
         fail(f"{journal} is not a det_lab tracking journal (no run.json)")
-    left = 0
-    for j in journals:
-        summary = sync(j)
+    summaries, skipped = ([sync(journal)], []) if journal else sync_waiting(find_journals(settings))
+    for summary in summaries:
         console.print(str(summary), highlight=False)
-        left += sum(b.pending for b in summary.backends)
-    if left:
-        fail(f"{left} events still undelivered (is the tracking server up?)", code=1)
+    for line in skipped:
+        err_console.print(f"warning: {line}; left as it is", highlight=False, markup=False, soft_wrap=True)
+    left = sum(b.pending for s in summaries for b in s.backends)
+    if left or skipped:
+        fail(f"{left} events still undelivered (is the tracking server up?)" if left
+             else f"{len(skipped)} journal(s) left undelivered (above)", code=1)
 
 
 @app.command()

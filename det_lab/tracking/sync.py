@@ -62,6 +62,21 @@ def sync(journal_dir: Path, timeout: float = 60.0) -> DeliverySummary:
     return summary
 
 
+def sync_waiting(journal_dirs: Iterable[Path], timeout: float = 60.0) -> tuple[list[DeliverySummary], list[str]]:
+    """``det-lab tracking sync`` with no journal named: every journal with undelivered events is
+    synced; one this det_lab cannot deliver (damaged, or of a newer det_lab) is left as it is and
+    named, not a stop for the journals after it. Returns the summaries and one line per journal left."""
+    summaries: list[DeliverySummary] = []
+    left: list[str] = []
+    for journal_dir in journal_dirs:
+        events, problem = backlog(journal_dir)
+        if problem:
+            left.append(problem if str(journal_dir) in problem else f"{journal_dir}: {problem}")
+        elif events:
+            summaries.append(sync(journal_dir, timeout))
+    return summaries, left
+
+
 @dataclass(frozen=True)
 class JournalBacklog:
     """One journal holding undelivered events, and what is wrong with it when it cannot be delivered."""
