@@ -11,11 +11,11 @@ lineage naming one of the real revisions; half of them last changed 40 days ago)
 checkpoints (``metadata.json`` and a 4 KiB ``state.pt`` each, the ones the run.json files list).
 Then it times, in this process, as the median of --runs:
 
-- ``runs prune --older-than 30d``'s plan (:func:`det_lab.trials.prune.plan_prune`, in a child
+- ``runs prune --older-than 30d``'s plan (:func:`det_lab.lifecycle.prune.plan_prune`, in a child
   process stopped after 300 s; skipped, saying so, where that function does not exist): from
   scratch (``fresh``: every run.json read, every tree walked), as a user's first (no cache yet),
   and as every later one (this user's caches);
-- ``data gc --dry-run``: its plan (:func:`det_lab.trials.storage.data_gc`), once cold (DVC asked
+- ``data gc --dry-run``: its plan (:func:`det_lab.lifecycle.storage.data_gc`), once cold (DVC asked
   about every branch tip and tag: the first run on a volume) and then as every later run is (the
   answer of each commit kept on the volume);
 - ``volume usage``: the walk alone, and with what data gc and runs prune would free.
@@ -110,7 +110,7 @@ _PRUNE = """
 import sys, time
 from pathlib import Path
 try:
-    from det_lab.trials.prune import plan_prune
+    from det_lab.lifecycle.prune import plan_prune
 except ImportError:
     print("missing"); sys.exit(0)
 from det_lab.settings import load_settings
@@ -152,8 +152,8 @@ def _prune_plan(config: Path, runs: int, how: str = "cached") -> float | None:
 def measure(config: Path, runs: int) -> dict[str, float | None]:
     from det_lab.data.gc import USED_DIR
     from det_lab.settings import load_settings
-    from det_lab.trials.space import volume_space
-    from det_lab.trials.storage import data_gc
+    from det_lab.lifecycle.space import volume_space
+    from det_lab.lifecycle.storage import data_gc
     from det_lab.volume import VolumeLayout
 
     settings = load_settings(config, env={})
@@ -207,7 +207,7 @@ def main() -> None:
             config = root / "lab.yaml"
             for name, seconds in measure(config, args.runs).items():
                 results.setdefault(name, {})[n] = seconds
-                shown = ("skipped: det_lab.trials.prune.plan_prune does not exist" if seconds is None else
+                shown = ("skipped: det_lab.lifecycle.prune.plan_prune does not exist" if seconds is None else
                          f"over {PRUNE_LIMIT_S} s (stopped)" if seconds == float("inf") else f"{seconds:7.3f} s")
                 print(f"{n:>7} runs  {shown}  {name}", flush=True)
         finally:

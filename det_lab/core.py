@@ -25,10 +25,10 @@ from typing import Any
 from determined import core as det_core
 
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.expconf import lab_section
+from det_lab.runs.expconf import lab_section
 from det_lab.trials.distributed import off_cluster_distributed
-from det_lab.trials.harness import harness_shims, tensorboard_available
-from det_lab.trials.identity import read_identity
+from det_lab.runs.harness import harness_shims, tensorboard_available
+from det_lab.runs.identity import read_identity
 from det_lab.trials.session import LabSession, local_checkpoint_dir  # noqa: F401  (det_lab.core.local_checkpoint_dir)
 from det_lab.trials.surface import TrialSurface
 

@@ -159,7 +159,7 @@ def _quota_checks(settings: LabSettings, layout: VolumeLayout) -> Iterator[Check
 
 def _largest(settings: LabSettings, project: str) -> str:
     """The project's largest runs and kinds, in words (``run-3 12.0 GiB, checkpoints 40.1 GiB``)."""
-    from det_lab.trials.space import largest_consumers
+    from det_lab.lifecycle.space import largest_consumers
 
     return ", ".join(f"{name} {human_bytes(n)}" for name, n in largest_consumers(settings, project)) or "nothing"
 

@@ -21,7 +21,7 @@ meaning changed); a key added that older readers may ignore raises nothing.
   they cannot read and say so. A newer tracking journal only costs a running trial its mirror (one
   warning; training goes on).
 
-Node caches (:mod:`det_lab.trials.cachefile`) carry their version in their header; one of a newer
+Node caches (:mod:`det_lab.runs.cachefile`) carry their version in their header; one of a newer
 version is passed over and left in place, and the caller works without it.
 """
 
@@ -64,7 +64,7 @@ MODEL_RECORD: Final = Format("model-record", 1, "a base model revision's record 
                                                 "(models/.det-lab/revisions/<name>/<revision>.json)")
 RUNS_LISTING_CACHE: Final = Format("runs-listing-cache", 1, "a user's cache of det-lab runs list "
                                                             "($XDG_CACHE_HOME/det-lab/runs-<volume>.json)")
-#: the pickled node caches carry their version in their header (:mod:`det_lab.trials.cachefile`)
+#: the pickled node caches carry their version in their header (:mod:`det_lab.runs.cachefile`)
 SPACE_CACHE: Final = Format("space-cache", 1, "a user's cache of checkpoint sizes ($XDG_CACHE_HOME/det-lab/"
                                               "space-<volume>.pickle)")
 RUN_FACTS_CACHE: Final = Format("run-facts-cache", 1, "a user's cache of what each run.json says for volume "

@@ -1,6 +1,6 @@
 """Checking experiment configs (and config templates) against Determined 0.38.1's rules.
 
-Two judges. det_lab's own validator (:func:`det_lab.trials.validate.determined_errors`, a mirror
+Two judges. det_lab's own validator (:func:`det_lab.runs.validate.determined_errors`, a mirror
 of the 0.38.1 expconf schema rules for what det_lab's configs use) runs everywhere, so a plain
 clone checks every config. Where Determined's schemas and their validator sit beside the checkout
 (``../shared/tools/validate-expconf``: the 0.38.1 ``schemas/expconf/v0``), they judge as well;
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import yaml
 
-from det_lab.trials.validate import determined_errors
+from det_lab.runs.validate import determined_errors
 
 #: Determined's own validator, when ../shared is beside the checkout
 OFFICIAL = Path(__file__).resolve().parents[2] / "shared" / "tools" / "validate-expconf"

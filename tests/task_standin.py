@@ -47,7 +47,7 @@ from tests.standin.task_config import (  # noqa: F401  (re-exported for the test
     BLOCK_DEFAULTS, PYTHON_USER_BASE, RUN_DIR, SHARED_FS_CONTAINER_PATH, WORK_DIR, Image, LinkedUser, _env_name,
     _merge_env, env_list, experiment_config, pool_defaults)
 
-#: harness/determined/launch/*: off-cluster there is one process and no launcher (as det_lab.trials.local)
+#: harness/determined/launch/*: off-cluster there is one process and no launcher (as det_lab.runs.local)
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")
 
 

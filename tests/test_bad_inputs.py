@@ -258,7 +258,7 @@ def tiny(shared):
 
 @pytest.mark.parametrize("case", sorted(DETERMINED_REJECTS) + sorted(LAB_REJECTS))
 def test_preflight_refuses_before_anything_is_created(tiny, shared, case):
-    from det_lab.trials.validate import PreflightError, preflight
+    from det_lab.runs.validate import PreflightError, preflight
 
     changes, expected = {**DETERMINED_REJECTS, **LAB_REJECTS}[case]
     before = snapshot_tree(shared.root)
@@ -271,7 +271,7 @@ def test_preflight_refuses_before_anything_is_created(tiny, shared, case):
 
 def test_preflight_refuses_a_dataset_over_quota(shared, tmp_path):
     from det_lab.settings import load_settings
-    from det_lab.trials.validate import PreflightError, preflight
+    from det_lab.runs.validate import PreflightError, preflight
     from det_lab.volume import VolumeLayout, project_usage
 
     used = project_usage(VolumeLayout(shared.root), "vla")
@@ -284,7 +284,7 @@ def test_preflight_refuses_a_dataset_over_quota(shared, tmp_path):
 
 
 def test_preflight_accepts_the_shipped_config(tiny):
-    from det_lab.trials.validate import preflight
+    from det_lab.runs.validate import preflight
 
     preflight(vla_config(), tiny, "const.yaml")
 
@@ -293,7 +293,7 @@ def test_preflight_accepts_the_shipped_config(tiny):
 def test_every_shipped_config_passes_determined_rules(path):
     import yaml
 
-    from det_lab.trials.validate import determined_errors
+    from det_lab.runs.validate import determined_errors
 
     assert determined_errors(yaml.safe_load(path.read_text())) == []
 
@@ -322,7 +322,7 @@ def test_verdicts_agree_with_determined_schemas(tmp_path):
     ("- a list\n", "top level must be a mapping"),
 ])
 def test_unreadable_experiment_config_is_one_line(tmp_path, tiny, text, expected):
-    from det_lab.trials.validate import PreflightError, load_and_check
+    from det_lab.runs.validate import PreflightError, load_and_check
 
     path = tmp_path / "bad.yaml"
     path.write_bytes(text if isinstance(text, bytes) else text.encode())

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from det_lab.settings import load_settings
-from det_lab.trials import cachefile, prune, space, trees
+from det_lab.runs import cachefile
+from det_lab.lifecycle import prune, space, trees
 from det_lab.volume import VolumeLayout, init_volume
 
 OLD = time.time() - 40 * 86400

@@ -161,7 +161,7 @@ def _run(layout: VolumeLayout, name: str, identity, status: str) -> Path:
 HOLD = """
 import sys, time
 from pathlib import Path
-from det_lab.trials.run_guard import hold
+from det_lab.runs.run_guard import hold
 hold(Path(sys.argv[1]), "trainer")
 print("held", flush=True)
 time.sleep(600)

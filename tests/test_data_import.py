@@ -131,8 +131,8 @@ def test_experiment_config_names_a_directory(lab, volume) -> None:
     """``data.det_lab.dataset: {dir: ...}``: preflight checks it, the trial reads it in place."""
     import yaml
 
-    from det_lab.trials.expconf import lab_section
-    from det_lab.trials.validate import PreflightError, preflight
+    from det_lab.runs.expconf import lab_section
+    from det_lab.runs.validate import PreflightError, preflight
 
     src = _team_dataset(lab.root / "teams" / "garden")
     template = Path(__file__).resolve().parents[1] / "experiment_templates" / "gaussian_splatting" / "const.yaml"

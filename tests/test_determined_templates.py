@@ -372,7 +372,7 @@ def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_l
 def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_line_before_it_trains(
         det_cluster, act_experiments):
     """A config through det experiment create had no det-lab preflight: the trial's start checks the
-    base models it loads (det_lab/trials/base_models.py) before the pull, and ends in the line naming
+    base models it loads (det_lab/runs/base_models.py) before the pull, and ends in the line naming
     the import, with no metric and no checkpoint (LeRobot is not even imported)."""
     exp_id = act_experiments["no_backbone"]
     assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "ERROR", det_cluster.task_output(exp_id)

@@ -336,7 +336,7 @@ def test_limits_and_a_waiting_run_listed_and_cancelled(machine):
         assert len(waiting) == 1 and "root's limit of 1 GPU(s) at once is reached" in waiting[0]["waiting"]
         plain = machine.cli("runs", "list").stdout
         assert plain.count("waiting: root's limit of 1 GPU(s) at once is reached") == 1, plain
-        from det_lab.trials.record import open_record
+        from det_lab.runs.record import open_record
 
         record = open_record(Path(waiting[0]["dir"]))  # what runs delete / prune ask before deleting
         assert record.scheduled(record.state()) == f"it waits for GPUs as pid {queued.pid} on host {os.uname().nodename.split('.')[0]}"

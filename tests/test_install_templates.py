@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from det_lab import templates
 from det_lab.cli.app import app
 from det_lab.settings import load_settings
-from det_lab.trials.expconf import lab_section, training_length
+from det_lab.runs.expconf import lab_section, training_length
 from det_lab.volume import init_volume
 from tests import expconf
 

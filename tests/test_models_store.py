@@ -26,7 +26,7 @@ from det_lab.cluster.render import render_master
 from det_lab.cluster.settings import ClusterSettings
 from det_lab.models import ModelMissing, ModelStoreLayout
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.lineage import models_lineage
+from det_lab.runs.lineage import models_lineage
 from det_lab.volume import init_volume
 from tests.conftest import Lab
 from tests.test_bad_inputs import cli

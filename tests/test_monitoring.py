@@ -90,7 +90,7 @@ def _make_runs(root: Path) -> None:
     from det_lab.slurm.record import SlurmRunRecord
     from det_lab.tracking.events import Metrics, RunInfo
     from det_lab.tracking.journal import Journal
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.runs.record import LocalRunRecord
 
     running = SlurmRunRecord(root / "outputs" / "vla" / "slurm-runs" / "vla-hung-1")
     running.dir.mkdir(parents=True)

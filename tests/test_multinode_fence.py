@@ -1,4 +1,4 @@
-"""The fence of a run's attempts (det_lab.trials.fence) on one temporary volume, without Slurm: the
+"""The fence of a run's attempts (det_lab.runs.fence) on one temporary volume, without Slurm: the
 attempt epoch taken by racing processes, a stale copy's write refused and the copy stopped, the
 latest-checkpoint pointer never moved back, a check that cannot read its file never stopping
 training, and a second completion of a finished job doing nothing."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.trials.fence import (
+from det_lab.runs.fence import (
     ATTEMPT_ENV,
     POLL_ENV,
     STALE_EXIT_CODE,
@@ -31,7 +31,7 @@ from det_lab.trials.fence import (
 WRITER = """
 import os, sys, time
 from pathlib import Path
-from det_lab.trials.fence import Fence
+from det_lab.runs.fence import Fence
 run_dir = Path(sys.argv[1])
 fence = Fence.from_env(run_dir)
 lock = run_dir / "trainer.lock.stand-in"
@@ -59,7 +59,7 @@ def _writer(run_dir: Path, epoch_token: str, mode: str) -> subprocess.Popen:
 
 def test_racing_starts_each_take_their_own_epoch(tmp_path):
     """Eight starts at once (eight processes): epochs 1..8 each once, the file the last one's."""
-    code = ("import sys, json; from pathlib import Path; from det_lab.trials.fence import begin_attempt; "
+    code = ("import sys, json; from pathlib import Path; from det_lab.runs.fence import begin_attempt; "
             "a = begin_attempt(Path(sys.argv[1]), 'job', 0, sys.argv[2]); print(json.dumps([a.epoch, a.token]))")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), f"n{i}"], stdout=subprocess.PIPE,
                               text=True) for i in range(8)]

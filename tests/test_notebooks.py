@@ -279,7 +279,7 @@ def test_cluster_submit_goes_through_the_sdk_with_the_det_lab_template(tmp_path,
     monkeypatch.setenv(nb.OUT_ENV, str(tmp_path / "out"))
     monkeypatch.delenv(nb.DET_TEMPLATE_ENV, raising=False)
     settings = LabSettings(data_root=tmp_path, master_url="http://master:8080")
-    from det_lab.trials.validate import PreflightError
+    from det_lab.runs.validate import PreflightError
 
     bad = {**yaml.safe_load((TEMPLATE / "const.yaml").read_text()), "trainer": {"epochs": 3}}
     with pytest.raises(PreflightError, match="trainer: unknown key"):  # refused before the master is asked

@@ -18,7 +18,7 @@ from tests.test_shared_volume import team  # noqa: F401 (a fixture of two Unix u
 PLAN = textwrap.dedent("""
     import json
     from det_lab.settings import load_settings
-    from det_lab.trials import prune, trees
+    from det_lab.lifecycle import prune, trees
 
     trees.SETTLED_S = 0.0  # a checkpoint written before this plan began counts as settled
     settings = load_settings()

@@ -428,7 +428,7 @@ def test_refuses_a_dataset_revision_whose_objects_are_gone(moved):
 def test_a_patch_over_the_cap_is_not_saved_and_the_run_says_so(tmp_path):
     from det_lab.reproduce.code import apply_patch
     from det_lab.reproduce.find import ReproduceError
-    from det_lab.trials.lineage import code_lineage
+    from det_lab.runs.lineage import code_lineage
 
     repo = tmp_path / "code"
     (repo / "t").mkdir(parents=True)
@@ -463,7 +463,7 @@ def test_untracked_files_in_a_subdirectory_and_binary_are_rebuilt_with_a_constan
     import stat
 
     from det_lab.reproduce.code import checkout
-    from det_lab.trials.lineage import code_lineage, working_changes
+    from det_lab.runs.lineage import code_lineage, working_changes
 
     repo = tmp_path / "code"
     (repo / "t").mkdir(parents=True)
@@ -515,7 +515,7 @@ def test_untracked_files_in_a_subdirectory_and_binary_are_rebuilt_with_a_constan
 def test_an_untracked_file_gone_before_git_adds_it_leaves_out_itself_alone(tmp_path, monkeypatch):
     """A file deleted between git listing it and the patch being made (here by a git wrapper, just
     before ``git add``): the batch is refused, and the patch holds every other untracked file."""
-    from det_lab.trials.lineage import working_changes
+    from det_lab.runs.lineage import working_changes
 
     repo = tmp_path / "code"
     repo.mkdir()

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.trials import retention
-from det_lab.trials.record import LocalRunRecord
+from det_lab.runs import retention
+from det_lab.runs.record import LocalRunRecord
 from tests.conftest import VENV_BIN, Lab, tiny_data_lab
 
 TINY = Path(__file__).parent / "fixtures" / "tiny"
@@ -152,8 +152,8 @@ def test_files_already_gone_and_names_outside_the_root(tmp_path):
 CHILD = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from det_lab.trials import retention
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.runs import retention
+    from det_lab.runs.record import LocalRunRecord
 
     where = sys.argv[3]
     real_remove, real_save = retention.remove_checkpoint, LocalRunRecord.save

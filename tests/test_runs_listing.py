@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from det_lab.trials import listing, record
-from det_lab.trials.listing import ListingCache, shown_state
-from det_lab.trials.record import LocalRunRecord, parse_progress
+from det_lab.runs import listing, record
+from det_lab.runs.listing import ListingCache, shown_state
+from det_lab.runs.record import LocalRunRecord, parse_progress
 from tests.conftest import VENV_BIN, Lab
 
 

@@ -234,7 +234,8 @@ def test_a_run_that_trains_is_never_deleted(prune_lab):
 CHILD = textwrap.dedent("""
     import sys, time
     from det_lab.settings import load_settings
-    from det_lab.trials import prune, retention
+    from det_lab.lifecycle import prune
+    from det_lab.runs import retention
 
     where = sys.argv[2]
 

@@ -241,7 +241,7 @@ def test_a_trial_never_outlives_det_lab_run_and_a_run_has_one_trainer(runs_lab):
     # come first), and started its trial, which still imports for seconds before taking the lock
     wait_for(lambda: state(run_dir).get("resumed", 0) == before.get("resumed", 0) + 1, late, 60, "the resume")
     trial_of(late)
-    from det_lab.trials.run_guard import hold
+    from det_lab.runs.run_guard import hold
 
     lock = hold(run_dir, name)
     try:

@@ -17,8 +17,8 @@ import yaml
 from det_lab.settings import LabSettings, TrackingSettings
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.null_mirror import NullMirror
-from det_lab.trials import local, record
-from det_lab.trials.identity import LOCAL_RUN_ENV, read_identity
+from det_lab.runs import local, record
+from det_lab.runs.identity import LOCAL_RUN_ENV, read_identity
 from det_lab.trials.session import LabSession
 from det_lab.volume import VolumeLayout, init_volume
 
@@ -316,8 +316,8 @@ def test_progress_reads_lines_as_written_and_any_other_json_the_same(tmp_path):
 
 
 def test_a_listing_rereads_exactly_the_runs_whose_files_changed(tmp_path, monkeypatch):
-    from det_lab.trials import listing
-    from det_lab.trials.listing import ListingCache
+    from det_lab.runs import listing
+    from det_lab.runs.listing import ListingCache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     runs = []

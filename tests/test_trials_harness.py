@@ -13,7 +13,7 @@ import pytest
 
 from det_lab.cluster.deploy import DEPLOY_PRIVATE_NAMES
 from det_lab.compat import import_deploy
-from det_lab.trials import harness
+from det_lab.runs import harness
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,7 @@ def _python_files(root: Path) -> list[Path]:
 
 def test_private_determined_names_appear_in_one_trial_module_only():
     names = {p.name for p in harness.PRIVATE_NAMES}
-    allowed = {REPO / "det_lab/trials/harness.py"}
+    allowed = {REPO / "det_lab/runs/harness.py"}
     offenders = []
     for path in _python_files(REPO / "det_lab") + _python_files(REPO / "experiment_templates"):
         if path in allowed:

@@ -18,7 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from det_lab.settings import load_settings
-from det_lab.trials.local import entry_command, sample_hparams
+from det_lab.runs.local import entry_command, sample_hparams
 from det_lab.volume import init_volume
 from tests import expconf
 from tests.conftest import VENV_BIN, Lab, publish_tiny_data

@@ -25,9 +25,9 @@ INTERNAL = {
     # can be det_lab's own malformed request, whose traceback we want
     "det_lab.tracking.mlflow_backend.MlflowError",
     # private to the config checker: always caught and re-raised as PreflightError (a UserError)
-    "det_lab.trials.validate._Fail",
+    "det_lab.runs.validate._Fail",
     # a stale copy of a run (a partitioned node's) stopping itself: nothing for a user to fix
-    "det_lab.trials.fence.StaleAttempt",
+    "det_lab.runs.fence.StaleAttempt",
 }
 
 
@@ -95,7 +95,7 @@ def _bug(*_args, **_kwargs):
     (("monitor", "report", "--since", "7d"), "det_lab.monitoring.report", "parse_duration"),
     (("data", "pull", "demo"), "det_lab.data", "pull"),
     (("runs", "diff", "a", "b"), "det_lab.reproduce.find", "locate"),
-    (("run", "vla", "--local"), "det_lab.trials.local", "prepare"),
+    (("run", "vla", "--local"), "det_lab.runs.local", "prepare"),
 ])
 def test_a_bug_keeps_its_traceback(lab, monkeypatch, args, module, name):
     monkeypatch.setattr(importlib.import_module(module), name, _bug)

@@ -229,7 +229,7 @@ def test_every_config_passes_validate_expconf():
 
 
 def test_search_trains_for_max_time_and_is_asha():
-    from det_lab.trials.expconf import lab_section, training_length
+    from det_lab.runs.expconf import lab_section, training_length
 
     conf = yaml.safe_load((TEMPLATE / "search.yaml").read_text())
     searcher = conf["searcher"]
@@ -259,7 +259,7 @@ def test_each_config_builds_a_policy_that_learns_a_step(demos, config, template_
     from dataset import load_splits
     from model import VLAConfig, VLAPolicy
 
-    from det_lab.trials.local import sample_hparams
+    from det_lab.runs.local import sample_hparams
 
     hp = sample_hparams(yaml.safe_load((TEMPLATE / config).read_text())["hyperparameters"], random.Random(0))
     hp["val_episodes"] = 1

@@ -1,4 +1,4 @@
-"""What a run loads from the volume's model store, checked before it starts (det_lab/trials/base_models.py).
+"""What a run loads from the volume's model store, checked before it starts (det_lab/runs/base_models.py).
 
 ``det-lab run``'s preflight (``local.prepare``, the same for ``--slurm`` on the login node) refuses a
 missing base model, pretrained policy or backbone weight file in one line naming its ``det-lab models
@@ -23,7 +23,7 @@ def _prepare(lab: Lab, *sets: str) -> list[tuple]:
     """``det-lab run vla --local --exp-config act.yaml --set ...``'s checks (local.prepare), stopped at
     the GPU lease: returns the lease requests it reached (none when a check refused the run first)."""
     from det_lab.settings import load_settings
-    from det_lab.trials import local
+    from det_lab.runs import local
 
     asked: list[tuple] = []
 
@@ -46,7 +46,7 @@ def test_a_base_model_backbone_or_pretrained_policy_missing_from_the_volume_is_o
     """policy.pretrained as a hub id, data.det_lab.base_model and the backbone's ImageNet weights are
     read offline from the volume's model store: each missing one is refused by det-lab run's preflight
     with the line naming its import, before the GPU lease and before any run directory exists."""
-    from det_lab.trials.validate import PreflightError
+    from det_lab.runs.validate import PreflightError
 
     runs = demo_lab.root / "outputs" / "vla" / "local-runs"
     before = sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
@@ -80,7 +80,7 @@ def test_a_dataset_whose_sizes_differ_from_the_pretrained_policys_is_one_line_an
     from det_lab.formats import LeRobotDataset
     from det_lab.policies import PolicyError, build_training, dataset_meta, parse_policy
     from det_lab.settings import load_settings
-    from det_lab.trials.validate import PreflightError
+    from det_lab.runs.validate import PreflightError
 
     training, _ = _ours(written, "act")
     pretrained = training.export(tmp_path / "checkpoint")

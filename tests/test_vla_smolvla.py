@@ -237,8 +237,8 @@ def test_shipped_vla_configs_pass_det_labs_checks_and_lerobots_config_factory(sm
     dataclass only: no 450 M or 4 B model is built). smolvla.yaml's keys also apply over the
     stored base's config.json, as a run applies them."""
     from det_lab.policies import parse_policy
-    from det_lab.trials.base_models import needs_of
-    from det_lab.trials.validate import check_config
+    from det_lab.runs.base_models import needs_of
+    from det_lab.runs.validate import check_config
 
     conf = yaml.safe_load((TEMPLATE / name).read_text())
     check_config(conf, name)

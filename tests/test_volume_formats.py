@@ -31,9 +31,10 @@ from det_lab.tracking.events import RunInfo
 from det_lab.tracking.journal import Journal
 from det_lab.tracking.mirror import Mirror
 from det_lab.tracking.sync import pending
-from det_lab.trials import cachefile, fence, prune, retention
-from det_lab.trials.listing import ListingCache
-from det_lab.trials.record import LocalRunRecord
+from det_lab.runs import cachefile, fence, retention
+from det_lab.lifecycle import prune
+from det_lab.runs.listing import ListingCache
+from det_lab.runs.record import LocalRunRecord
 from tests.conftest import Lab
 from tests.test_retention import LOSSES, kept_steps, make_run
 

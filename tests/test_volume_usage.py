@@ -123,7 +123,7 @@ def test_bad_input_is_one_line(lab):
 def test_kept_checkpoint_figures_follow_changes(volume, monkeypatch, tmp_path):
     """The figures a walk keeps of complete checkpoints are the same as a fresh walk's, and a
     checkpoint changed since (a file added, one removed) is measured again."""
-    from det_lab.trials import space
+    from det_lab.lifecycle import space
 
     lab, settings, layout = volume
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))

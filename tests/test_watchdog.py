@@ -330,7 +330,7 @@ def test_idle_det_lab_run_checkpointed_stopped_and_resumed_to_the_same_losses(nv
     dog = None
     try:
         run_dir = wait_for_step(runs, "parked", 40, proc)
-        from det_lab.trials.run_guard import trainer
+        from det_lab.runs.run_guard import trainer
 
         pid = trainer(run_dir).pid
         set_gpus(nvml, (0, 1_500_000_000), (0, 0), procs={0: [pid]})  # on GPU 0, doing nothing

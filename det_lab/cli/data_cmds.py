@@ -222,7 +222,7 @@ def gc(
     as_json: bool = typer.Option(False, "--json", help="Print the plan (and what was done) as JSON."),
 ) -> None:
     """Evict unused snapshots and remove shared-cache objects no revision, run or pin needs."""
-    from det_lab.trials.storage import data_gc
+    from det_lab.lifecycle.storage import data_gc
     from det_lab.volume import human_bytes
 
     if yes and dry_run:

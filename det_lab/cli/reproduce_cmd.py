@@ -33,8 +33,8 @@ def reproduce(
     seed, then compare its metrics with the original's step by step."""
     from det_lab.reproduce import compare, envdiff, rerun
     from det_lab.reproduce.find import locate
-    from det_lab.trials import local
-    from det_lab.trials.record import LocalRunRecord, VolumeRunRecord
+    from det_lab.runs import local
+    from det_lab.runs.record import LocalRunRecord, VolumeRunRecord
 
     if local_mode and slurm:
         fail("pass --local or --slurm, not both")

@@ -13,7 +13,7 @@ from det_lab.cli.common import console, err_console, fail, renamed_option, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
-    from det_lab.trials.record import VolumeRunRecord
+    from det_lab.runs.record import VolumeRunRecord
 
 
 def run(
@@ -50,7 +50,7 @@ def run(
     if not local_mode:
         fail("pass --local (here) or --slurm (a Slurm job); on Determined use: det experiment create <config> <dir>")
     from det_lab.gpus import GpusError, LocalClaim
-    from det_lab.trials import local
+    from det_lab.runs import local
 
     settings = state(ctx).settings
     claim = LocalClaim(settings, gpus, queue)
@@ -122,7 +122,7 @@ def _summary(run_: VolumeRunRecord, code: int, settings: LabSettings) -> None:
 
     from det_lab import templates
     from det_lab.trials.session import local_checkpoint_dir
-    from det_lab.trials import local
+    from det_lab.runs import local
 
     st = run_.state()
     step, val = run_.progress()

@@ -12,14 +12,14 @@ from det_lab.cli.common import console, err_console, fail, state
 
 if TYPE_CHECKING:
     from det_lab.settings import LabSettings
-    from det_lab.trials.record import VolumeRunRecord
+    from det_lab.runs.record import VolumeRunRecord
 
 app = typer.Typer(help="Runs recorded on the volume (det-lab run --local / --slurm): list, show, tail, cancel.",
                   no_args_is_help=True)
 
 def read_state(run: VolumeRunRecord) -> dict:
     """``run``'s run.json; a damaged one is one error line naming it (exit 1)."""
-    from det_lab.trials.record import RunRecordError
+    from det_lab.runs.record import RunRecordError
 
     try:
         return run.state()
@@ -69,7 +69,7 @@ def show(
 
     from det_lab.services.runs import describe
 
-    from det_lab.trials.listing import find_run
+    from det_lab.runs.listing import find_run
 
     run = find_run(state(ctx).settings, name)
     read_state(run)  # a damaged run.json: its one error line, exit 1
@@ -119,7 +119,7 @@ def tail(
     """The run's log (train.log): its last lines, and with -f what follows."""
     from det_lab.services.runs import FINAL, live_status
 
-    from det_lab.trials.listing import find_run
+    from det_lab.runs.listing import find_run
 
     run = find_run(state(ctx).settings, name)
     try:
@@ -152,7 +152,7 @@ def cancel(ctx: typer.Context, name: str = typer.Argument(..., help="The run's n
     local run's trial is signalled on the machine it trains on."""
     from det_lab.services.runs import cancel_run
 
-    from det_lab.trials.listing import find_run
+    from det_lab.runs.listing import find_run
 
     run = find_run(state(ctx).settings, name)
     read_state(run)  # a damaged run.json: its one error line, exit 1
@@ -203,8 +203,8 @@ def _size(n: int) -> str:
 
 
 def _plan_out(plan, yes: bool, as_json: bool, settings: LabSettings) -> None:
-    """Print a deletion plan (``det_lab.trials.prune``); with ``yes``, carry it out."""
-    from det_lab.trials import prune
+    """Print a deletion plan (``det_lab.lifecycle.prune``); with ``yes``, carry it out."""
+    from det_lab.lifecycle import prune
 
     if as_json:
         typer.echo(json.dumps({"runs": [r.as_dict() for r in plan.runs], "refused": [r.as_dict() for r in plan.refused],
@@ -245,7 +245,7 @@ def delete_runs(
     """Delete runs: their directories and checkpoints (a checkpoint another run lists stays), their
     tracker runs tagged det_lab.deleted, not erased. Prints the plan; --yes does it. Never a run
     that trains or is queued, nor one this user's Unix rights do not let it remove."""
-    from det_lab.trials import prune
+    from det_lab.lifecycle import prune
 
     settings = state(ctx).settings
     plan = prune.plan_delete(settings, names)
@@ -264,7 +264,7 @@ def prune_runs(
 ) -> None:
     """Delete the runs matching every filter given, as 'runs delete' does; runs that train, or
     that this user may not remove, are listed and left alone. Prints the plan; --yes does it."""
-    from det_lab.trials import prune
+    from det_lab.lifecycle import prune
 
     settings = state(ctx).settings
     plan = prune.plan_prune(settings, older_than=older_than, statuses=status, user=user, project=project)

@@ -19,7 +19,7 @@ def status_(
     """List tracking journals on the volume that still hold undelivered events, and damaged ones
     (exit code 1 when there is one: its events cannot be delivered until it is repaired)."""
     from det_lab.tracking.sync import backlogs
-    from det_lab.trials.record import volume_journals as find_journals
+    from det_lab.runs.record import volume_journals as find_journals
 
     settings = state(ctx).settings
     found = backlogs(find_journals(settings))
@@ -43,7 +43,7 @@ def status_(
 def sync_(ctx: typer.Context, journal: Path | None = typer.Argument(None, help="One journal (default: all waiting).")) -> None:
     """Deliver events that runs journaled while their tracker was down."""
     from det_lab.tracking.sync import sync, sync_waiting
-    from det_lab.trials.record import volume_journals as find_journals
+    from det_lab.runs.record import volume_journals as find_journals
 
     settings = state(ctx).settings
     if journal and not (journal / "run.json").is_file():

@@ -83,7 +83,7 @@ def usage(
     """Bytes on the volume by project, user, kind (checkpoints, snapshots, cache, outputs) or run,
     hard links counted once (as du), and what data gc and runs prune would free."""
 
-    from det_lab.trials.space import volume_space
+    from det_lab.lifecycle.space import volume_space
     from det_lab.volume import human_bytes
 
     if by not in ("project", "user", "kind", "run"):

@@ -18,7 +18,7 @@
 - **pkg_resources**: imported through :func:`det_lab.compat.import_deploy`.
 
 Determined's private names this module depends on (all of them; the trial layer's are in
-:mod:`det_lab.trials.harness`): :data:`DEPLOY_PRIVATE_NAMES`.
+:mod:`det_lab.runs.harness`): :data:`DEPLOY_PRIVATE_NAMES`.
 """
 
 from __future__ import annotations

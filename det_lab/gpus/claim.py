@@ -24,7 +24,7 @@ from det_lab.gpus.holders import ProcessId, user_name
 from det_lab.gpus.leases import HEARTBEAT_S, Held, HostBook, host_name, shared_dir, write_json
 from det_lab.gpus.queue import GpusError, Rules, lab_rules, plan
 from det_lab.settings import LabSettings
-from det_lab.trials.record import WAIT_KEY, LocalRunRecord
+from det_lab.runs.record import WAIT_KEY, LocalRunRecord
 
 #: set in a Slurm job's and a Determined task's environment: their GPUs are given, not leased here
 SCHEDULED_ENV = ("SLURM_JOB_ID", "DET_TASK_ID")
@@ -72,7 +72,7 @@ class LocalClaim:
 
     # -- before the run exists -------------------------------------------------------------
     def check(self, conf: dict[str, Any], run: str, template: str) -> None:
-        """Called by :func:`det_lab.trials.local.prepare` before it makes anything: refuse a request
+        """Called by :func:`det_lab.runs.local.prepare` before it makes anything: refuse a request
         this machine cannot meet, take the GPUs when they are free, else (with ``--queue``) get ready to wait."""
         scheduled = next((v for v in SCHEDULED_ENV if self.env.get(v)), None)
         if scheduled:

@@ -25,7 +25,7 @@ from det_lab.nvml import GpuReading, read_gpus
 _CONTAINER = re.compile(r"(?:docker-|/docker/|cri-containerd-|/containerd/)([0-9a-f]{64})")
 #: environment variables that name what a process belongs to
 SLURM_JOB_ENV = "SLURM_JOB_ID"
-LOCAL_RUN_ENV = "DET_LAB_LOCAL_RUN"  # det_lab.trials.identity.LOCAL_RUN_ENV: the run's run.json
+LOCAL_RUN_ENV = "DET_LAB_LOCAL_RUN"  # det_lab.runs.identity.LOCAL_RUN_ENV: the run's run.json
 DET_TASK_ENV = "DET_TASK_ID"
 
 

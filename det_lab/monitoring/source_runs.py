@@ -5,7 +5,7 @@ Reads each run's ``run.json`` (no Slurm query per run: ``det-lab runs list`` cor
 run's status from Slurm, this does not; a job that died without its driver saying so shows as a
 running run whose last metric keeps ageing, which the silent-run alert names). A local run's
 "running" holds while a live trainer holds its lock, as in ``runs list``
-(:func:`det_lab.trials.run_guard.training_status`). The exporter keeps what it read of each
+(:func:`det_lab.runs.run_guard.training_status`). The exporter keeps what it read of each
 run.json under the file's inode, size and time, so a refresh reads again only the runs that
 changed (one ``stat`` for each of the others). The age of a run's last metric is the age of its
 ``metrics.jsonl`` (its ``run.json`` before the first report). A run's user is run.json's (a Slurm
@@ -26,11 +26,11 @@ from prometheus_client.core import Metric
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.ondisk import NewerFormat
 from det_lab.settings import LabSettings
-from det_lab.trials import record as records
-from det_lab.trials.listing import read_signed, stat_signature, user_name
-from det_lab.trials.record import METRICS_FILE, RUN_FILE
-from det_lab.trials.run_guard import training_status
-from det_lab.trials.run_state import LIVE, RunStatus
+from det_lab.runs import record as records
+from det_lab.runs.listing import read_signed, stat_signature, user_name
+from det_lab.runs.record import METRICS_FILE, RUN_FILE
+from det_lab.runs.run_guard import training_status
+from det_lab.runs.run_state import LIVE, RunStatus
 from det_lab.volume import VolumeLayout
 
 #: a local run whose trainer vanished without recording an end (run_guard.training_status)
@@ -39,7 +39,7 @@ DIED = RunStatus.DIED.value
 
 def run_files(layout: VolumeLayout, project: str) -> Iterator[tuple[str, Path]]:
     """``(kind, run directory)`` of every local-style run of ``project``, any registered kind, in
-    no order, without opening each record (:func:`det_lab.trials.record.run_dirs`)."""
+    no order, without opening each record (:func:`det_lab.runs.record.run_dirs`)."""
     for directory, cls in records.run_dirs(layout, project):
         yield cls.kind, directory
 

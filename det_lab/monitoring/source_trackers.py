@@ -25,7 +25,7 @@ from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.net import http_answers
 from det_lab.ondisk import TRACKING_JOURNAL, check
 from det_lab.tracking.journal import JournalReader
-from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, find_journals
+from det_lab.runs.record import JOURNAL_DIR, RUN_FILE, find_journals
 from det_lab.volume import VolumeLayout
 
 TAIL_BYTES = 64 * 1024

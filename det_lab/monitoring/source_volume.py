@@ -7,7 +7,7 @@ seen. A walk of a volume with thousands of runs takes seconds, so this source is
 most every ``ttl`` seconds (five minutes by default) and every scrape in between answers from
 that sample; ``det_lab_volume_sample_time_seconds`` says when it was taken. Free space (one statvfs)
 is read with it, and so are the bytes each user owns and what ``data gc --days 30`` and ``runs prune
---older-than 30d`` would free per project (:mod:`det_lab.trials.space`, whose walk keeps the
+--older-than 30d`` would free per project (:mod:`det_lab.lifecycle.space`, whose walk keeps the
 figures of complete checkpoints, so a refresh stats one directory per checkpoint).
 """
 
@@ -23,7 +23,7 @@ from prometheus_client.core import Metric
 from det_lab.data.integrity import SNAPSHOT_MARKER
 from det_lab.monitoring.collector import Families, VolumeReader
 from det_lab.settings import LabSettings
-from det_lab.trials.space import volume_space
+from det_lab.lifecycle.space import volume_space
 from det_lab.volume import VolumeLayout, disk_usage
 
 #: what the reclaimable figures assume: ``data gc --days 30``, ``runs prune --older-than 30d``
@@ -73,7 +73,7 @@ class VolumeSource(VolumeReader):
 
     def _space(self, out: Families) -> None:
         """Bytes per user and what ``data gc`` and ``runs prune`` would free per project, from
-        :func:`det_lab.trials.space.volume_space` (its walk keeps complete checkpoints' figures)."""
+        :func:`det_lab.lifecycle.space.volume_space` (its walk keeps complete checkpoints' figures)."""
         if not self.layout.state.is_dir():
             return  # not initialised: no runs, no datasets (the figures above say it is empty)
         report = volume_space(self.settings, days=RECLAIM_DAYS)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from det_lab.settings import LabSettings, env_value, load_settings
-from det_lab.trials.identity import tracker_experiment
+from det_lab.runs.identity import tracker_experiment
 
 if TYPE_CHECKING:
     import pandas as pd

@@ -23,9 +23,9 @@ from det_lab.cluster.schema import SHARED_FS_CONTAINER_PATH
 from det_lab.net import http_answers
 from det_lab.notebook.plots import output_dir
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials import local
-from det_lab.trials.expconf import project_of, searcher_metric
-from det_lab.trials.record import LocalRunRecord, open_record
+from det_lab.runs import local
+from det_lab.runs.expconf import project_of, searcher_metric
+from det_lab.runs.record import LocalRunRecord, open_record
 from det_lab.volume import VolumeLayout
 
 CONFIG_ENV = "DET_LAB_NOTEBOOK_CONFIG"
@@ -232,7 +232,7 @@ def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
     """The Determined SDK path (needs a master; not exercised by the tests here)."""
     from determined.experimental import client
 
-    from det_lab.trials.validate import check_config
+    from det_lab.runs.validate import check_config
 
     tdir = local.resolve_template(template)
     cfg_path, conf = local.load_config(tdir, config)

@@ -254,8 +254,8 @@ def check_features(cfg: Any, meta: DatasetMeta, rename_map: dict[str, str] | Non
 
 def check_pretrained_sizes(cfg: Any, meta: DatasetMeta) -> None:
     """Refuse a dataset whose state or action size the pretrained model was not trained with
-    (:func:`det_lab.trials.base_models.check_sizes`), before its weights are loaded."""
-    from det_lab.trials.base_models import SizeMismatch, check_sizes
+    (:func:`det_lab.runs.base_models.check_sizes`), before its weights are loaded."""
+    from det_lab.runs.base_models import SizeMismatch, check_sizes
 
     base = {"input_features": cfg.input_features, "output_features": cfg.output_features,
             "max_state_dim": getattr(cfg, "max_state_dim", None), "max_action_dim": getattr(cfg, "max_action_dim", None)}

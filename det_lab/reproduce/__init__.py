@@ -1,6 +1,6 @@
 """Reproducing a recorded run and comparing two runs, from the lineage det_lab records.
 
-On top of the record layer (:mod:`det_lab.trials.record`, :mod:`det_lab.trials.lineage`) and
+On top of the record layer (:mod:`det_lab.runs.record`, :mod:`det_lab.runs.lineage`) and
 the settings; nothing below imports it.
 
 - :mod:`.find`: a run's lineage from its name, a checkpoint UUID, an MLflow run id or Aim run hash

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.reproduce.find import ReproduceError
-from det_lab.trials.lineage import CAPPED_NOTE
+from det_lab.runs.lineage import CAPPED_NOTE
 
 _ENV = {**os.environ, "GIT_TERMINAL_PROMPT": "0"}
 

@@ -6,7 +6,7 @@ import platform
 from pathlib import Path
 from typing import Any
 
-from det_lab.trials.lineage import installed_distributions, read_environment
+from det_lab.runs.lineage import installed_distributions, read_environment
 
 
 def current() -> dict[str, str]:

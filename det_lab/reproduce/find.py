@@ -18,7 +18,7 @@ from typing import Any
 
 from det_lab.errors import UserError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import ClusterRunRecord, VolumeRunRecord, iter_records
+from det_lab.runs.record import ClusterRunRecord, VolumeRunRecord, iter_records
 from det_lab.volume import VolumeLayout
 
 _UUID = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")

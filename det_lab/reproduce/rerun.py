@@ -25,7 +25,7 @@ from det_lab.data.directory import DIRECTORY_REV
 from det_lab.reproduce.code import checkout, remove
 from det_lab.reproduce.find import Origin, ReproduceError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import REPRODUCES_KEY, LocalRunRecord, VolumeRunRecord
+from det_lab.runs.record import REPRODUCES_KEY, LocalRunRecord, VolumeRunRecord
 from det_lab.volume import VolumeLayout
 
 REPRODUCE_DIR = "reproduce"
@@ -65,7 +65,7 @@ def serve_dataset(settings: LabSettings, origin: Origin, conf: dict[str, Any]) -
     hash; a one-line :class:`ReproduceError` when its objects are gone."""
     from det_lab.data import lookup, pull
     from det_lab.data.errors import DataError
-    from det_lab.trials.expconf import lab_section
+    from det_lab.runs.expconf import lab_section
 
     ds = origin.lineage.get("dataset")
     if not ds:
@@ -84,8 +84,8 @@ def serve_dataset(settings: LabSettings, origin: Origin, conf: dict[str, Any]) -
 def prepare(settings: LabSettings, origin: Origin, *, name: str | None = None, continue_: bool = False,
             record_cls: type[VolumeRunRecord] = LocalRunRecord) -> Plan:
     """Check out the code, serve the data and create the new run (nothing runs yet)."""
-    from det_lab.trials import local
-    from det_lab.trials.expconf import lab_section
+    from det_lab.runs import local
+    from det_lab.runs.expconf import lab_section
 
     code = origin.lineage.get("code") or {}
     copied = None if code.get("commit") else _checkpoint_code(settings, origin)

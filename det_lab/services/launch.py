@@ -21,8 +21,8 @@ from det_lab.slurm import submit
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.slurm.search import Search, is_search
 from det_lab.slurm.settings import SlurmSettings, load_slurm_settings
-from det_lab.trials import local
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs import local
+from det_lab.runs.run_state import RunStatus
 
 #: how a follower prints a line (rich markup off) or a rich renderable
 Say = Callable[[Any], None]
@@ -49,7 +49,7 @@ def charged_account(slurm: SlurmSettings, conf: dict[str, Any], source: str) -> 
         return None
     from det_lab.accounting.limits import limits_for, refusal
     from det_lab.accounting.slurm_accounts import AccountingError
-    from det_lab.trials.expconf import lab_section
+    from det_lab.runs.expconf import lab_section
 
     project = lab_section(conf, source).project
     raw = (conf.get("resources") or {}).get("slots_per_trial")
@@ -99,7 +99,7 @@ def submit_template(settings: LabSettings, template: str, config: Path | None, s
 
 def _refuse_taken(settings: LabSettings, name: str) -> None:
     """A new run's name must name no run yet, of any kind (``det-lab runs`` finds runs by name)."""
-    from det_lab.trials.listing import RunNotFound, find_run
+    from det_lab.runs.listing import RunNotFound, find_run
 
     try:
         taken = find_run(settings, name)

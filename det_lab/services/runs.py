@@ -4,7 +4,7 @@ corrected by Slurm and by the trainer lock), why it waits, where it ran.
 Above the schedulers and the accounting wing: a Slurm run's status is asked of Slurm, a pending
 job's reason is explained by Slurm accounting's limits (:func:`det_lab.accounting.limits.pending_words`)
 and a local run's place in line by :mod:`det_lab.gpus`. Finding runs is the trials layer's
-(:func:`det_lab.trials.listing.all_runs`, :func:`~det_lab.trials.listing.find_run`).
+(:func:`det_lab.runs.listing.all_runs`, :func:`~det_lab.runs.listing.find_run`).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, cast
 
 from det_lab.errors import UserError
 from det_lab.settings import LabSettings
-from det_lab.trials.record import VolumeRunRecord
-from det_lab.trials.run_state import ENDED, RunState, RunStatus
+from det_lab.runs.record import VolumeRunRecord
+from det_lab.runs.run_state import ENDED, RunState, RunStatus
 
 #: what :func:`live_status` says of a run that ended (run.json's or Slurm's word for it)
 FINAL: frozenset[str] = ENDED | {"completed", "cancelled", "gone", "failed", "timeout"}
@@ -67,7 +67,7 @@ def live_status(run: VolumeRunRecord, st: RunState | None = None, job: dict[str,
     job = slurm_job(run, st) if job is _ASK else job
     if isinstance(job, bool):
         if run.kind == "local" and status in (RunStatus.RUNNING, RunStatus.CREATED):  # "running" only while its trainer lives
-            from det_lab.trials.run_guard import training_status
+            from det_lab.runs.run_guard import training_status
 
             return training_status(st, run.dir)
         return status
@@ -100,8 +100,8 @@ def listing(settings: LabSettings, project: str | None, user: str | None,
     status, progress, the watchdog's notice, where it ran, its last validation metric, its owner and
     why it waits; only ``project``'s and ``user``'s when given. A damaged or unreadable run.json is
     ``warn``-ed and listed as such; run.json and metrics are re-read only where they changed
-    (:class:`~det_lab.trials.listing.ListingCache`)."""
-    from det_lab.trials.listing import Listed, ListingCache, Unlisted, all_runs, user_name
+    (:class:`~det_lab.runs.listing.ListingCache`)."""
+    from det_lab.runs.listing import Listed, ListingCache, Unlisted, all_runs, user_name
     from det_lab.watchdog import notice_line
 
     cache = ListingCache(settings.data_root)
@@ -139,10 +139,10 @@ def describe(run: VolumeRunRecord) -> dict[str, Any]:
     """Everything ``det-lab runs show`` tells of a run, as one JSON-able dict: its record (config,
     hyperparameters, progress, checkpoints and what retention did with them), where it ran, why it
     waits, its GPU efficiency, the watchdog's notice and what each tracker received. A damaged
-    run.json is its :class:`~det_lab.trials.record.RunRecordError`."""
+    run.json is its :class:`~det_lab.runs.record.RunRecordError`."""
     from det_lab.trials.gpu_sampler import summary_lines
-    from det_lab.trials.listing import run_owner
-    from det_lab.trials.retention import explain
+    from det_lab.runs.listing import run_owner
+    from det_lab.runs.retention import explain
     from det_lab.watchdog import notice_line
 
     st = run.state()
@@ -189,7 +189,7 @@ def _cancel_local(run: VolumeRunRecord, name: str, st: RunState) -> str:
     import signal
 
     from det_lab.gpus import cancel_waiting
-    from det_lab.trials import run_guard
+    from det_lab.runs import run_guard
 
     if st.get("status") == RunStatus.WAITING:  # in line for GPUs: its det-lab run leaves the line, recording it cancelled
         pid = cancel_waiting(name)

@@ -2,7 +2,7 @@
 records on the volume, summed by user, project or template, with the idle GPU-hours the watchdog saw.
 
 A service over three packages that do not know each other: :mod:`det_lab.accounting.usage` (the
-jobs), :mod:`det_lab.trials.listing` (the runs), :mod:`det_lab.watchdog` (the idle hours).
+jobs), :mod:`det_lab.runs.listing` (the runs), :mod:`det_lab.watchdog` (the idle hours).
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any, cast
 
 from det_lab.accounting.usage import JobRecord, all_jobs, join, parse_since, summarize
 from det_lab.settings import LabSettings
-from det_lab.trials.expconf import project_of
-from det_lab.trials.listing import all_runs
-from det_lab.trials.record import RunRecordError
+from det_lab.runs.expconf import project_of
+from det_lab.runs.listing import all_runs
+from det_lab.runs.record import RunRecordError
 from det_lab.volume import VolumeLayout
 
 

@@ -23,7 +23,7 @@ is reached by name, or by Slurm's NodeAddr where its name does not resolve
 (:mod:`det_lab.slurm.nodes`); Determined's chief broadcast gets the same address
 (``DET_CHIEF_IP``, read by ``DistributedContext.from_torch_distributed``).
 
-Fencing (:mod:`det_lab.trials.fence`): each start of the job takes the run's next attempt epoch
+Fencing (:mod:`det_lab.runs.fence`): each start of the job takes the run's next attempt epoch
 before anything else, and its trial gets the attempt's token. Slurm may start a job again while an
 earlier copy still runs (a node cut off from the controller: its job is requeued after
 ``SlurmdTimeout`` and started elsewhere, slurm.conf(5) SlurmdTimeout, sbatch(1) --requeue); the
@@ -45,10 +45,10 @@ from pathlib import Path
 from det_lab.settings import load_settings
 from det_lab.slurm.nodes import NodeAddressError, first_node_address, job_nodes
 from det_lab.slurm.record import SlurmRunRecord
-from det_lab.trials import local
-from det_lab.trials.fence import ATTEMPT_ENV, STALE_EXIT_CODE, Attempt, Fence, StaleAttempt, begin_attempt, read_attempt
-from det_lab.trials.record import open_record
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs import local
+from det_lab.runs.fence import ATTEMPT_ENV, STALE_EXIT_CODE, Attempt, Fence, StaleAttempt, begin_attempt, read_attempt
+from det_lab.runs.record import open_record
+from det_lab.runs.run_state import RunStatus
 
 #: environment variables a job carries over from the submitting shell (written into the script)
 PASSED_ENV_PREFIXES = ("DET_LAB_", "MLFLOW_", "DET_MASTER", "AIM_")

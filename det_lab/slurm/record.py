@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from det_lab.trials.record import VolumeRunRecord, register
-from det_lab.trials.run_state import ENDED
+from det_lab.runs.record import VolumeRunRecord, register
+from det_lab.runs.run_state import ENDED
 
 JOB_SCRIPT = "job.sbatch"
 

@@ -17,7 +17,7 @@ from det_lab.slurm.job import JobSpec, passed_env, render_script
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.slurm.search import SEARCHES_DIR, Search, array_spec, check_searcher
 from det_lab.slurm.settings import SlurmSettings, check_time
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.run_state import RunStatus
 
 
 @dataclass(frozen=True)
@@ -106,11 +106,11 @@ def submit_search(settings: LabSettings, slurm: SlurmSettings, template_dir: Pat
 
     import yaml
 
-    from det_lab.trials.expconf import lab_section
+    from det_lab.runs.expconf import lab_section
     from det_lab.volume import VolumeLayout, atomic_write_text
 
-    from det_lab.trials.local import entry_command
-    from det_lab.trials.validate import preflight
+    from det_lab.runs.local import entry_command
+    from det_lab.runs.validate import preflight
 
     preflight(conf, settings, source)  # what a single run refuses, before any array task fails on it
     searcher = check_searcher(conf, source)

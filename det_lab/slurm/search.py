@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from det_lab.errors import UserError
 from det_lab.slurm.record import SlurmRunRecord
 from det_lab.volume import atomic_write_text
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.run_state import RunStatus
 
 if TYPE_CHECKING:
     import optuna
@@ -226,7 +226,7 @@ def run_task(search: Search, task: str) -> int:
     """Train this array task's trial, report its validation metric to the pruner, tell the result."""
     from det_lab.settings import load_settings
     from det_lab.slurm.job import run_in_job
-    from det_lab.trials import local
+    from det_lab.runs import local
 
     st = search.state()
     settings = load_settings()

@@ -24,16 +24,16 @@ from typing import Any
 from determined import pytorch
 
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.expconf import lab_section, period
+from det_lab.runs.expconf import lab_section, period
 from det_lab.trials.distributed import off_cluster_distributed
-from det_lab.trials.harness import (
+from det_lab.runs.harness import (
     allow_harness_unpickling,
     core_context_of,
     harness_shims,
     seeding_shuffle,
     tensorboard_available,
 )
-from det_lab.trials.identity import read_identity
+from det_lab.runs.identity import read_identity
 from det_lab.trials.session import LabSession, local_checkpoint_dir
 from det_lab.trials.surface import TrialSurface
 

@@ -19,7 +19,7 @@ import logging
 import threading
 from typing import Any
 
-from det_lab.trials.harness import raise_preemption_flag
+from det_lab.runs.harness import raise_preemption_flag
 
 log = logging.getLogger("det_lab")
 

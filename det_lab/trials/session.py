@@ -3,16 +3,16 @@
 =====================  =================================================  =========================
 concern                object                                             twins
 =====================  =================================================  =========================
-who the trial is       :class:`~det_lab.trials.identity.TrialIdentity`    cluster / local-style run
-its files              :class:`~det_lab.trials.record.RunRecord`          Cluster / Local (/ Slurm)
+who the trial is       :class:`~det_lab.runs.identity.TrialIdentity`    cluster / local-style run
+its files              :class:`~det_lab.runs.record.RunRecord`          Cluster / Local (/ Slurm)
 its dataset            :func:`det_lab.data.pull` (once per node)
-its lineage            :func:`~det_lab.trials.lineage.collect_lineage`
+its lineage            :func:`~det_lab.runs.lineage.collect_lineage`
 its tracker run        :class:`~det_lab.tracking.Mirror`                  chief / NullMirror
-Determined internals   :mod:`det_lab.trials.harness`
+Determined internals   :mod:`det_lab.runs.harness`
 =====================  =================================================  =========================
 
 PyTorchTrials get the Core API context from ``det.pytorch.init``; Core API loops from
-:func:`det_lab.core.init`. :func:`~det_lab.trials.harness.intercept` routes its metric,
+:func:`det_lab.core.init`. :func:`~det_lab.runs.harness.intercept` routes its metric,
 checkpoint and preemption calls to this session, which hands them to the mirror and the record:
 a checkpoint becomes the run's latest only once complete, so a crash mid-write leaves the
 previous one latest; off-cluster, SIGTERM asks the trial to checkpoint and stop, as a cluster
@@ -37,22 +37,22 @@ from det_lab.settings import LabSettings, env_value
 from det_lab.tracking import DeliverySummary, Mirror, open_mirror
 from det_lab.tracking.events import flatten
 from det_lab.tracking.null_mirror import NullMirror
-from det_lab.trials.fence import Fence
-from det_lab.trials.expconf import LabTrialConfig, Length, lab_section, training_length
+from det_lab.runs.fence import Fence
+from det_lab.runs.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.trials.gpu_sampler import DEFAULT_INTERVAL_S, GpuSampler
 from det_lab.trials.gpu_sampler import merge as merge_efficiency
 from det_lab.trials.searcher_stop import DEFAULT_POLL_S, SearcherStopWatcher, watch_searcher_stops
-from det_lab.trials.harness import intercept
-from det_lab.trials.identity import TrialIdentity
-from det_lab.trials.base_models import check_base_models
-from det_lab.trials.lineage import collect_lineage, seed_everything, tracker_view
-from det_lab.trials.lineage import ENVIRONMENTS_DIR
-from det_lab.trials.record import RunRecord, record_for
-from det_lab.trials.run_guard import BUSY_EXIT_CODE, RunBusy, hold, lock_lifetime_s, parent_gone, watch_parent
+from det_lab.runs.harness import intercept
+from det_lab.runs.identity import TrialIdentity
+from det_lab.runs.base_models import check_base_models
+from det_lab.runs.lineage import collect_lineage, seed_everything, tracker_view
+from det_lab.runs.lineage import ENVIRONMENTS_DIR
+from det_lab.runs.record import RunRecord, record_for
+from det_lab.runs.run_guard import BUSY_EXIT_CODE, RunBusy, hold, lock_lifetime_s, parent_gone, watch_parent
 from det_lab.data.directory import DIRECTORY_REV
 from det_lab.data.lastuse import note_use
 from det_lab.volume import VolumeLayout, share_with_group
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.run_state import RunStatus
 
 log = logging.getLogger("det_lab.trials")
 
@@ -219,7 +219,7 @@ class LabSession:
         applies its own); a failure is logged, never fatal to training."""
         if not self.record.keeps_progress or self.identity.on_cluster:
             return
-        from det_lab.trials import retention
+        from det_lab.runs import retention
 
         layout = VolumeLayout.from_settings(self.settings)
         root = self.checkpoint_dir or layout.experiment_checkpoints(self.identity.project, self.identity.exp_conf)

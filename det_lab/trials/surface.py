@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from det_lab.data import PulledDataset
     from det_lab.tracking import Mirror
     from det_lab.tracking.null_mirror import NullMirror
-    from det_lab.trials.expconf import LabTrialConfig, Length
-    from det_lab.trials.identity import TrialIdentity
+    from det_lab.runs.expconf import LabTrialConfig, Length
+    from det_lab.runs.identity import TrialIdentity
     from det_lab.trials.session import LabSession
 
 

@@ -77,7 +77,7 @@ def act(holder: Holder, settings: LabSettings, slurm_env: Mapping[str, str] | No
 
 def _stop_run(holder: Holder) -> str:
     """SIGTERM to the run's trainer on this machine (the pid holding its trainer lock)."""
-    from det_lab.trials import run_guard
+    from det_lab.runs import run_guard
 
     trainer = run_guard.trainer(Path(holder.run_dir))
     if trainer is None or trainer.stale or not trainer.here:

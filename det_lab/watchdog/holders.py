@@ -176,7 +176,7 @@ def lease_holders(settings, host: str) -> list[Holder]:
     """This machine's GPU leases (``det-lab run --local`` takes one per run), as holders: a run's lease
     is that run, with its GPUs whether or not its process is on them yet."""
     from det_lab.gpus import active_leases
-    from det_lab.trials.record import LocalRunRecord
+    from det_lab.runs.record import LocalRunRecord
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout.from_settings(settings)

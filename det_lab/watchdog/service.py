@@ -210,7 +210,7 @@ class Watchdog:
 
 
 def _run_of_job(settings: LabSettings, job_id: str) -> Path | None:
-    from det_lab.trials.record import read_run_file, run_dirs
+    from det_lab.runs.record import read_run_file, run_dirs
     from det_lab.volume import VolumeLayout
 
     layout = VolumeLayout.from_settings(settings)

@@ -10,7 +10,7 @@ completeness (:372-374) and that the searcher is current (:377-379).
 
 The schemas are Determined's own (``../shared/determined/schemas/expconf/v0`` beside the checkout,
 judged by ``../shared/tools/validate_expconf.py``); where they are absent, det_lab's mirror of the
-rules (det_lab.trials.validate) judges and only the defaults the harness reads are filled in.
+rules (det_lab.runs.validate) judges and only the defaults the harness reads are filled in.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def config_errors(conf: Any, *, complete: bool = False) -> list[str]:
     schemas = _schemas()
     if schemas is not None:
         return _validator().render_go(schemas.errors(conf, EXPERIMENT_SCHEMA, complete=complete))  # type: ignore[union-attr]
-    from det_lab.trials.validate import determined_errors
+    from det_lab.runs.validate import determined_errors
     return [] if complete else [f"<config>.{p}" for p in determined_errors(conf)]
 
 

@@ -25,7 +25,7 @@ How:
   after :data:`READ_TRIES` tries, the write goes ahead ("fail open") and a warning is logged:
   training never dies because of the fence itself. What keeps that safe: a checkpoint is a new
   directory that nothing points to until the pointer switch, the pointer only moves to a higher
-  step (:meth:`det_lab.trials.record.RunRecord.add_checkpoint`), metrics are kept once per step
+  step (:meth:`det_lab.runs.record.RunRecord.add_checkpoint`), metrics are kept once per step
   (``metrics.jsonl`` and the tracking journal drop a step already written), and the watcher keeps
   checking, so a stale copy stops at the first read that works.
 

@@ -31,7 +31,7 @@ from flufl.lock import NotLockedError
 from det_lab.errors import UserError
 from det_lab.data.lock import DEFAULT_LIFETIME_S, HostLock, LockTimeout, VolumeLock, pid_alive
 from det_lab.settings import env_value
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.run_state import RunStatus
 
 LOCK_NAME = "trainer.lock"
 PARENT_ENV = "DET_LAB_RUN_PID"  # det-lab run's pid, set in the trial's environment

@@ -2,7 +2,7 @@
 
 A listing reads every run's ``run.json`` (stat'ed through its open descriptor before it is read,
 so the figures and the key they are kept under belong together; parsed by orjson). An ended run's run.json holds the progress it reached and the size of ``metrics.jsonl`` then
-(:meth:`~det_lab.trials.record.RunRecord.record_end`): while the metrics keep that size, one
+(:meth:`~det_lab.runs.record.RunRecord.record_end`): while the metrics keep that size, one
 ``stat`` replaces reading them; any other run's metrics are read (det_lab's own lines counted, not
 parsed). The figures of the last listing are kept per user on local disk
 (``$XDG_CACHE_HOME/det-lab/runs-<volume>.json``), each under its two files' inode, size and
@@ -26,10 +26,10 @@ import orjson
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.ondisk import FORMAT_KEY, RUNS_LISTING_CACHE, NewerFormat, stamp, version_of
-from det_lab.trials.cachefile import cache_path
-from det_lab.trials.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, VolumeRunRecord, parse_progress,
+from det_lab.runs.cachefile import cache_path
+from det_lab.runs.record import (METRICS_FILE, PROGRESS_KEY, RUN_FILE, VolumeRunRecord, parse_progress,
                                    parse_run_file, run_dirs)
-from det_lab.trials.run_state import RunState
+from det_lab.runs.run_state import RunState
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout, atomic_write_text
 
@@ -271,7 +271,7 @@ class RunNotFound(UserError, LookupError):
 def all_runs(settings: LabSettings, project: str | None = None, ordered: bool = True,
              probe: bool = True) -> list[VolumeRunRecord]:
     """Every run of ``project`` (default: all projects), by the time of its run.json unless not
-    ``ordered``; ``probe``: see :func:`det_lab.trials.record.run_dirs`."""
+    ``ordered``; ``probe``: see :func:`det_lab.runs.record.run_dirs`."""
     layout = VolumeLayout.from_settings(settings)
     projects = [project] if project else sorted(settings.projects)
     runs = [cls(d) for p in projects for d, cls in run_dirs(layout, p, probe or ordered)]

@@ -1,8 +1,8 @@
 """The shape of a run's ``run.json`` and the statuses it can hold: one definition for every reader.
 
-``run.json`` is written by ``det-lab run`` (:func:`det_lab.trials.local.prepare`), by the trial
+``run.json`` is written by ``det-lab run`` (:func:`det_lab.runs.local.prepare`), by the trial
 (:class:`det_lab.trials.session.LabSession`), by the GPU line (:mod:`det_lab.gpus`) and by the Slurm
-driver (:mod:`det_lab.slurm`); :meth:`det_lab.trials.record.RunRecord.state` returns it as a
+driver (:mod:`det_lab.slurm`); :meth:`det_lab.runs.record.RunRecord.state` returns it as a
 :class:`RunState`. The statuses are :class:`RunStatus` values (``str``: they compare equal to the
 strings run.json holds, so a record written before this module reads the same).
 """
@@ -62,7 +62,7 @@ class RunState(TypedDict, total=False):
     still being prepared); read with ``.get`` where it may be."""
 
     format: dict[str, Any]  #: the stamp of its on-disk format (:data:`det_lab.ondisk.RUN_RECORD`)
-    kind: str  #: the record class (:func:`det_lab.trials.record.open_record`)
+    kind: str  #: the record class (:func:`det_lab.runs.record.open_record`)
     name: str
     run_key: str
     template: str

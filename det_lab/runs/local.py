@@ -30,14 +30,14 @@ from det_lab import templates
 from det_lab.data.git import describe_commit
 from det_lab.models import SHADOWING, run_environment
 from det_lab.settings import LabSettings, read_yaml_mapping
-from det_lab.trials.expconf import ExpConfError, lab_section, training_length
-from det_lab.trials.identity import LOCAL_RUN_ENV
-from det_lab.trials.lineage import CODE_COMMIT_ENV
-from det_lab.trials import run_guard
-from det_lab.trials.record import RUN_FILE, LocalRunRecord, open_record
-from det_lab.trials.validate import preflight
+from det_lab.runs.expconf import ExpConfError, lab_section, training_length
+from det_lab.runs.identity import LOCAL_RUN_ENV
+from det_lab.runs.lineage import CODE_COMMIT_ENV
+from det_lab.runs import run_guard
+from det_lab.runs.record import RUN_FILE, LocalRunRecord, open_record
+from det_lab.runs.validate import preflight
 from det_lab.volume import VolumeLayout
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.run_state import RunStatus
 
 DEFAULT_CONFIGS = ("const.yaml", "single.yaml", "config.yaml")
 LAUNCHERS = ("determined.launch.torch_distributed", "determined.launch.horovod", "determined.launch.deepspeed")

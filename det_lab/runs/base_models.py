@@ -30,7 +30,7 @@ from det_lab.errors import UserError
 from det_lab.models import ModelMissing, ModelStoreError, require_model, require_torch_weights
 from det_lab.models.layout import check_name
 from det_lab.settings import LabSettings
-from det_lab.trials.expconf import base_models_of
+from det_lab.runs.expconf import base_models_of
 
 #: what ``from_pretrained`` reads of a LeRobot policy, and of a VLM (AutoConfig, AutoProcessor)
 POLICY_FILES = ("config.json", "model.safetensors")

@@ -4,7 +4,7 @@ running trials read; and ``det-lab data gc``, which must keep both.
 A local-style run (``det-lab run --local``, Slurm) records its dataset in ``run.json``'s
 ``lineage.dataset``; that revision's objects stay in the shared cache as long as the run is on
 the volume. A run that trains now (a live trainer holds its lock,
-:func:`det_lab.trials.run_guard.training_status`) keeps its snapshot whatever its last use says.
+:func:`det_lab.runs.run_guard.training_status`) keeps its snapshot whatever its last use says.
 A run whose ``run.json`` cannot be read keeps its whole project's cache: what it needs is unknown.
 """
 
@@ -21,11 +21,11 @@ from det_lab.data.gc import GcPlan, GcReport, Keep, collect
 from det_lab.jsonload import loads
 from det_lab.ondisk import RUN_FACTS_CACHE, RUN_RECORD, check, newer_file
 from det_lab.settings import LabSettings
-from det_lab.trials.expconf import project_of
-from det_lab.trials import cachefile
-from det_lab.trials.record import RUN_FILE, WAIT_KEY, run_dirs
-from det_lab.trials.run_guard import training_status
-from det_lab.trials.run_state import RunStatus
+from det_lab.runs.expconf import project_of
+from det_lab.runs import cachefile
+from det_lab.runs.record import RUN_FILE, WAIT_KEY, run_dirs
+from det_lab.runs.run_guard import training_status
+from det_lab.runs.run_state import RunStatus
 from det_lab.volume import VolumeLayout
 
 __all__ = ["FactsCache", "RunDataUse", "RunFacts", "data_gc", "dataset_keep", "run_facts", "trains"]
@@ -40,7 +40,7 @@ class RunFacts(NamedTuple):
     dataset: dict[str, Any] | None  # lineage.dataset
     checkpoints: tuple[str, ...]  # the uuids run.json lists
     storage: dict[str, Any] | None  # exp_conf.checkpoint_storage: where its checkpoints are
-    # what runs prune's plan reads (det_lab.trials.prune)
+    # what runs prune's plan reads (det_lab.lifecycle.prune)
     name: str | None = None  # run.json's name
     user: str | None = None  # run.json's user
     project: str = "default"  # the project its exp_conf names
@@ -77,7 +77,7 @@ def _facts(state: dict[str, Any], changed: float) -> RunFacts:
 class FactsCache:
     """The facts of the last reading of each run.json, under the file's inode, size and time, on
     this user's local disk (``$XDG_CACHE_HOME/det-lab/run-facts-<volume>.pickle``,
-    :mod:`~det_lab.trials.cachefile`): a run.json
+    :mod:`~det_lab.runs.cachefile`): a run.json
     replaced since (every write is a new inode) is read again; the others cost one ``stat``. A
     cache that cannot be read or written is ignored."""
 

@@ -3,8 +3,8 @@
 :func:`plan_delete` (named runs) and :func:`plan_prune` (runs chosen by age, status, owner,
 project) read and change nothing; :func:`execute` deletes what a plan holds. Never deleted:
 
-- a run whose trainer lives (its lock, :mod:`~det_lab.trials.run_guard`) or whose Slurm job is
-  queued or running (:meth:`~det_lab.trials.record.RunRecord.scheduled`);
+- a run whose trainer lives (its lock, :mod:`~det_lab.runs.run_guard`) or whose Slurm job is
+  queued or running (:meth:`~det_lab.runs.record.RunRecord.scheduled`);
 - a run this user could not ``rm -r``: every directory of it, and the directory holding it, must
   be writable and searchable by this user as Unix decides (owner, group, others; a sticky parent
   needs the owner). Another member's run goes with the group's write rights, not otherwise;
@@ -36,11 +36,11 @@ from typing import Any
 from det_lab.errors import UserError
 from det_lab.ondisk import NewerFormat
 from det_lab.settings import LabSettings
-from det_lab.trials import retention, run_guard
-from det_lab.trials.expconf import project_of
-from det_lab.trials.listing import user_name
-from det_lab.trials.record import JOURNAL_DIR, RUN_FILE, LocalRunRecord, run_dirs
-from det_lab.trials.trees import TreeCache, cannot_remove, walked_bytes
+from det_lab.runs import retention, run_guard
+from det_lab.runs.expconf import project_of
+from det_lab.runs.listing import user_name
+from det_lab.runs.record import JOURNAL_DIR, RUN_FILE, LocalRunRecord, run_dirs
+from det_lab.lifecycle.trees import TreeCache, cannot_remove, walked_bytes
 from det_lab.volume import VolumeLayout
 
 #: run.json statuses a run can be pruned by (``running`` is refused: a live run is never deleted)
@@ -252,7 +252,7 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
     that train, or that this user may not delete, are listed as refused. At least one filter.
 
     Each run.json's facts and each tree's listing come from this user's caches
-    (:class:`~det_lab.trials.storage.FactsCache`, :class:`~det_lab.trials.trees.TreeCache`) where
+    (:class:`~det_lab.lifecycle.storage.FactsCache`, :class:`~det_lab.lifecycle.trees.TreeCache`) where
     unchanged; ``fresh`` reads every run.json and walks every tree instead (the same plan)."""
     if not any((older_than, statuses, user, project)):
         raise PruneError("say which runs to prune: --older-than, --status, --user and/or --project")
@@ -291,7 +291,7 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
                 project: str | None, now: float) -> Plan:
     """:func:`plan_prune` from the caches: one ``stat`` per run.json; for a chosen run one
     ``lstat`` per directory of its trees and per file (a complete checkpoint's sizes kept)."""
-    from det_lab.trials.storage import FactsCache
+    from det_lab.lifecycle.storage import FactsCache
 
     layout = VolumeLayout.from_settings(settings)
     facts_cache, trees = FactsCache(settings.data_root), TreeCache(settings.data_root)

@@ -40,7 +40,7 @@ from typing import Any
 
 from det_lab.errors import UserError
 from det_lab.ondisk import NewerFormat, strings_in
-from det_lab.trials.expconf import searcher_metric
+from det_lab.runs.expconf import searcher_metric
 
 log = logging.getLogger("det_lab.trials")
 
@@ -370,7 +370,7 @@ def retain(record: Any, layout: Any, project: str, root: Path) -> Outcome:
     """:func:`enforce` for a run of ``project`` on the volume ``layout``: the project's other runs
     are read only when something would be deleted, a Slurm search's trials only for
     ``save_experiment_best``."""
-    from det_lab.trials.record import run_dirs
+    from det_lab.runs.record import run_dirs
 
     def runs() -> Iterable[Any]:
         for d, cls in run_dirs(layout, project):

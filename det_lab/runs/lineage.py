@@ -40,9 +40,9 @@ from det_lab.data import PulledDataset
 from det_lab.data.git import describe_commit
 from det_lab.models import require_model
 from det_lab.settings import LabSettings, load_settings
-from det_lab.trials.expconf import base_models_of
-from det_lab.trials.identity import TrialIdentity
-from det_lab.trials.record import RunRecord
+from det_lab.runs.expconf import base_models_of
+from det_lab.runs.identity import TrialIdentity
+from det_lab.runs.record import RunRecord
 from det_lab.volume import atomic_write_text
 
 PATCH_FILE = "code.patch"

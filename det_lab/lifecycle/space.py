@@ -21,10 +21,10 @@ from typing import Any, Literal
 
 from det_lab.ondisk import SPACE_CACHE
 from det_lab.settings import LabSettings
-from det_lab.trials.listing import user_name
+from det_lab.runs.listing import user_name
 from det_lab.errors import UserError
-from det_lab.trials.storage import FactsCache, RunFacts, run_facts, trains
-from det_lab.trials import cachefile
+from det_lab.lifecycle.storage import FactsCache, RunFacts, run_facts, trains
+from det_lab.runs import cachefile
 from det_lab.volume import VolumeLayout
 
 Kind = Literal["cache", "snapshots", "datasets", "checkpoints", "outputs"]
@@ -360,7 +360,7 @@ def _walk_project(walk: _Walk, layout: VolumeLayout, project: str, labels: dict[
 
 
 def _reclaimable(settings: LabSettings, report: SpaceReport, listed: dict[str, list[tuple[Path, RunFacts | None]]]) -> None:
-    from det_lab.trials.storage import data_gc
+    from det_lab.lifecycle.storage import data_gc
 
     try:
         plan, _ = data_gc(settings, report.days, listed=listed)  # the runs as this walk read them

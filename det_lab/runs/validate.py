@@ -14,7 +14,7 @@ the key and the fix) at the first problem:
 3. the dataset: a registered name that exists, a repository and revision that resolve, and room
    under the project's quota for what a pull would fetch;
 4. the base models, tokenizers and backbone weights it loads, in the volume's model store
-   (:mod:`det_lab.trials.base_models`), and a dataset already on the volume whose state or action
+   (:mod:`det_lab.runs.base_models`), and a dataset already on the volume whose state or action
    size differs from the pretrained policy's;
 5. that the volume's directories a run writes to are writable.
 """
@@ -292,7 +292,7 @@ def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreflightError(f"{source}: {problems[0]}{more}")
-    from det_lab.trials.retention import RetentionConfigError, RetentionPolicy
+    from det_lab.runs.retention import RetentionConfigError, RetentionPolicy
 
     try:  # checkpoint_storage's save_* keys: the schema's "integer, minimum 0", checked before anything runs
         RetentionPolicy.of(exp_conf)
@@ -302,7 +302,7 @@ def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config")
 
 
 def _lab_section(exp_conf: Mapping[str, Any], source: str):
-    from det_lab.trials.expconf import ExpConfError, lab_section, training_length
+    from det_lab.runs.expconf import ExpConfError, lab_section, training_length
 
     searcher = exp_conf.get("searcher") or {}
     max_time = searcher.get("max_time")
@@ -348,8 +348,8 @@ def _datasets(lab, settings: LabSettings, source: str) -> Path | None:
 
 def _base_models(exp_conf: Mapping[str, Any], settings: LabSettings, source: str, dataset_root: Path | None) -> None:
     from det_lab.models import ModelMissing
-    from det_lab.trials.base_models import SizeMismatch, check_base_models, check_sizes, policy_sections
-    from det_lab.trials.base_models import pretrained_config
+    from det_lab.runs.base_models import SizeMismatch, check_base_models, check_sizes, policy_sections
+    from det_lab.runs.base_models import pretrained_config
 
     try:
         check_base_models(settings, exp_conf, source=source)

@@ -1,7 +1,7 @@
 """What ``rm -r`` would meet in a run's trees, without listing every directory again.
 
 :class:`TreeCache` keeps, on this user's local disk (``$XDG_CACHE_HOME/det-lab/trees-<volume>.pickle``,
-:mod:`~det_lab.trials.cachefile`),
+:mod:`~det_lab.runs.cachefile`),
 each directory's entries under its inode, modification and change times: an entry is added,
 removed or renamed only by changing its directory's mtime, and a chmod, chown or ACL change
 changes its ctime, so a directory whose three figures are unchanged has the same entries and the
@@ -12,7 +12,7 @@ the whole cache is dropped when this user's groups differ from those it was made
 A file can grow without its directory changing, so every file's size is asked again (``lstat``),
 except in a complete checkpoint (its ``metadata.json`` there, nothing in it changed for
 :data:`SETTLED_S`): a checkpoint is written once and never changed in place (as
-:mod:`det_lab.trials.space` also takes it), so its sizes are kept under its directories' figures.
+:mod:`det_lab.lifecycle.space` also takes it), so its sizes are kept under its directories' figures.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.ondisk import TREES_CACHE
-from det_lab.trials import cachefile
+from det_lab.runs import cachefile
 
 #: a complete checkpoint unchanged this long is taken as written for good (its sizes kept)
 SETTLED_S = 60.0

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from det_lab.tracking import RunInfo
-from det_lab.trials.expconf import project_of
-from det_lab.trials.harness import trial_config
-from det_lab.trials.record import open_record
+from det_lab.runs.expconf import project_of
+from det_lab.runs.harness import trial_config
+from det_lab.runs.record import open_record
 
 LOCAL_RUN_ENV = "DET_LAB_LOCAL_RUN"
 

@@ -36,7 +36,7 @@ from det_lab.errors import UserError
 from det_lab.jsonload import loads
 from det_lab.ondisk import RUN_RECORD, check, refuse_overwrite, stamped
 from det_lab.settings import LabSettings
-from det_lab.trials.run_state import RunState, RunStatus  # noqa: F401  (RunStatus: re-exported)
+from det_lab.runs.run_state import RunState, RunStatus  # noqa: F401  (RunStatus: re-exported)
 from det_lab.volume import VolumeLayout, atomic_write_text
 
 RUN_FILE = "run.json"
@@ -179,7 +179,7 @@ class RunRecord:
     # --- state ---------------------------------------------------------------------------------------
 
     def state(self) -> RunState:
-        """The run's ``run.json`` (:class:`~det_lab.trials.run_state.RunState`); a damaged one is a
+        """The run's ``run.json`` (:class:`~det_lab.runs.run_state.RunState`); a damaged one is a
         :class:`RunRecordError`."""
         return cast(RunState, read_run_file(self.run_file))
 
