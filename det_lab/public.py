@@ -31,6 +31,10 @@ PYTHON: dict[str, tuple[str, ...]] = {
                          "snapshots_table", "submit", "volume_table"),
     "det_lab.settings": ("LabSettings", "load_settings", "env_value", "ENV_VARS"),
     "det_lab.rl.supervisor": ("supervise", "Restore", "ChildCommand"),
+    "det_lab.models": ("ModelMissing", "ModelStoreError", "import_model", "list_models", "require_model",
+                       "show_model"),
+    "det_lab.policies": ("PolicyChoice", "PolicyError", "parse_policy"),
+    "det_lab.ondisk": ("FORMATS", "Format", "NewerFormat"),
     "det_lab.errors": ("UserError",),
 }
 
@@ -48,4 +52,10 @@ DEPRECATED: dict[str, Deprecation] = {
     "det_lab.datasets": Deprecation("det_lab.formats", "0.2.0", "0.3.0"),
     "det-lab run --config": Deprecation("det-lab run --exp-config", "0.2.0", "0.3.0"),
     "det-lab slurm ci --config": Deprecation("det-lab slurm ci --exp-config", "0.2.0", "0.3.0"),
+    # the run layer and the volume's lifecycle, out of det_lab.trials (det_lab.trials.MOVED imports them)
+    **{f"det_lab.trials.{name}": Deprecation(f"det_lab.runs.{name}", "0.2.0", "0.3.0") for name in (
+        "base_models", "cachefile", "expconf", "fence", "harness", "identity", "lineage", "listing", "local",
+        "record", "retention", "run_guard", "run_state", "validate")},
+    **{f"det_lab.trials.{name}": Deprecation(f"det_lab.lifecycle.{name}", "0.2.0", "0.3.0")
+       for name in ("prune", "space", "storage", "trees")},
 }

@@ -93,3 +93,13 @@ def test_trials_holds_only_what_a_trials_code_sees():
     assert here == {"distributed", "gpu_sampler", "legacy", "pytorch", "searcher_stop", "session", "surface"}
     for old, new in MOVED.items():
         assert (REPO / (new.replace(".", "/") + ".py")).is_file() and old not in here
+
+
+def test_every_moved_module_is_a_recorded_deprecation_and_the_reference_lists_it():
+    from det_lab.public import DEPRECATED
+    from det_lab.trials import MOVED
+
+    for old, new in MOVED.items():
+        assert DEPRECATED[f"det_lab.trials.{old}"][:3] == (new, "0.2.0", "0.3.0")
+    reference = (REPO / "docs/reference/public-api.md").read_text()
+    assert all(f"det_lab.trials.{old}" in reference for old in MOVED)
