@@ -276,8 +276,8 @@ def plan_prune(settings: LabSettings, *, older_than: str | None = None, statuses
             continue
         if age is not None and now - p.changed < age:
             continue
-        if wanted is not None and p.status not in wanted and p.status != "deleting":
-            continue
+        if wanted is not None and p.status not in wanted and p.status != "deleting" and not p.refused:
+            continue  # one that cannot be read (damaged, newer) is shown as refused: its status is unknown
         chosen.append(p)
     with _listings(chosen):  # a run's liveness only for the runs the filters chose
         for p in chosen:
@@ -309,7 +309,7 @@ def _fast_prune(settings: LabSettings, age: float | None, wanted: set[str] | Non
             except (OSError, ValueError):  # damaged: read as the plan from scratch would
                 p = _planned(settings, cls(d), owners) if not project or name == project else None
                 if p is not None and not (user and p.owner != user) and not (age is not None and now - p.changed < age) \
-                        and (wanted is None or p.status in wanted):
+                        and (wanted is None or p.status in wanted or p.refused):
                     chosen.append((p, None))
                 continue
             if facts is None:

@@ -126,7 +126,8 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
     if overrides and resume:
         raise RunError("--set applies to new runs; a resumed run keeps the config it started with")
     templates.apply_overrides(conf, list(overrides))
-    preflight(conf, settings, str(cfg_path))  # what Determined or det_lab would refuse: before anything exists
+    if not resume:  # what Determined or det_lab would refuse: before anything exists
+        preflight(conf, settings, str(cfg_path))
     try:
         lab = lab_section(conf, str(cfg_path))
         length = training_length(conf, lab)
@@ -151,6 +152,8 @@ def prepare(settings: LabSettings, template: str, config: Path | None, resume: b
         if state.get("deleting"):  # det-lab runs delete was stopped mid-way: its checkpoints may be gone
             raise RunError(f"run {state['name']} is being deleted; finish that with: "
                            "det-lab runs prune --status deleting --yes")
+        # the config it started with, not the template's: read after the record, which may be unreadable
+        preflight(state["exp_conf"], settings, f"{run.run_file} exp_conf")
         _require(tdir, state["hparams"])
         try:  # one trainer per run: refused while one lives; a dead one's lock is broken, with a warning
             stale = run_guard.break_stale(run.dir, state["name"])
