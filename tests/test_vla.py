@@ -34,7 +34,7 @@ from tests.conftest import VENV_BIN, Lab
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = REPO / "experiment_templates" / "vla"
 CONFIGS = ("const.yaml", "search.yaml", "gpu.yaml", "gpu-large.yaml")
-LEROBOT_CONFIGS = ("act.yaml",)  # LeRobot's own policies: tests/test_vla_policies.py trains them
+LEROBOT_CONFIGS = ("act.yaml", "act-search.yaml", "smolvla.yaml", "pi05.yaml")  # LeRobot's own policies (tests/test_vla_policies.py, test_vla_smolvla.py, test_vla_scale.py)
 
 
 # --- the reader --------------------------------------------------------------------------------

@@ -5,6 +5,8 @@
       pretrained: null          # or a hub id in the volume's model store (lerobot/smolvla_base),
                                 # or a local directory holding a LeRobot ``pretrained_model/``
       rename_map: {}            # dataset key -> the pretrained model's key (lerobot-train's --rename_map)
+      precision: fp32           # or bf16: the forward under bf16 autocast, fp32 weights and optimizer
+                                # (lerobot-train under accelerate's mixed_precision=bf16)
       dim_model: 64             # any other key: a field of LeRobot's policy config (ACTConfig, ...)
 
 The policy type is ``name`` (as LeRobot's policy classes name themselves: ``ACTPolicy.name``), not
@@ -25,7 +27,9 @@ from det_lab.policies.errors import PolicyError
 
 #: the template's own model (experiment_templates/vla/model.py): no LeRobot import at all
 DEFAULT_TYPE = "det_lab"
-_RESERVED = ("name", "type", "pretrained", "rename_map")
+_RESERVED = ("name", "type", "pretrained", "rename_map", "precision")
+#: ``policy.precision``: fp32, or bf16 autocast over fp32 weights (fp16 would need a gradient scaler)
+PRECISIONS = ("fp32", "bf16")
 
 
 @dataclass(frozen=True)
@@ -36,6 +40,7 @@ class PolicyChoice:
     pretrained: Path | str | None = None  # a directory, or a hub id the volume's model store serves
     overrides: dict[str, Any] = field(default_factory=dict)
     rename_map: dict[str, str] = field(default_factory=dict)  # dataset key -> the policy's (cameras)
+    precision: str = "fp32"  # one of PRECISIONS
 
     @property
     def is_lerobot(self) -> bool:
@@ -49,7 +54,8 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
     Raises:
         PolicyError: a section that is not a mapping, a non-string ``name``, a
             ``pretrained`` that is neither a hub id nor a local directory holding ``config.json``, or config keys
-            given to the default policy (whose sizes live under ``hyperparameters.model``).
+            given to the default policy (whose sizes live under ``hyperparameters.model``), a
+            ``precision`` other than fp32 or bf16.
     """
     if section is None:
         return PolicyChoice()
@@ -61,6 +67,13 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
     if not isinstance(kind, str) or not kind:
         raise PolicyError(f"hyperparameters.policy.name must be a policy type such as act, got {kind!r}")
     overrides = {str(k): v for k, v in section.items() if k not in _RESERVED}
+    precision = section.get("precision") or "fp32"
+    if precision not in PRECISIONS:
+        raise PolicyError(f"hyperparameters.policy.precision must be fp32 or bf16 (bf16 autocast over fp32 weights; "
+                          f"fp16 is not supported: it needs a gradient scaler), got {precision!r}")
+    if kind == DEFAULT_TYPE and precision != "fp32":
+        raise PolicyError(f"hyperparameters.policy.precision is for LeRobot policies; the {DEFAULT_TYPE} model's "
+                          "switch is hyperparameters.bf16 (CUDA only)")
     if kind == DEFAULT_TYPE and overrides:
         raise PolicyError(f"hyperparameters.policy: {sorted(overrides)} are LeRobot policy keys, but the policy is "
                           f"{DEFAULT_TYPE} (its sizes are under hyperparameters.model); set policy.name")
@@ -69,7 +82,7 @@ def parse_policy(section: Mapping[str, Any] | None) -> PolicyChoice:
         raise PolicyError("hyperparameters.policy.rename_map must map dataset keys to the policy's, such as "
                           f"{{observation.images.front: observation.images.camera1}}, got {renames!r}")
     return PolicyChoice(kind, _pretrained(section.get("pretrained"), kind), overrides,
-                        {str(k): v for k, v in renames.items()})
+                        {str(k): v for k, v in renames.items()}, precision)
 
 
 def _pretrained(value: Any, kind: str) -> Path | str | None:

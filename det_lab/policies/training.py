@@ -5,7 +5,12 @@ ds_meta=...)`` -> ``make_pre_post_processors(policy_cfg=cfg, dataset_stats=...)`
 optimizer and scheduler presets over ``policy.get_optim_params()``. A step (its
 ``update_policy``): preprocessor, ``loss, out = policy.forward(batch)``, backward, gradient
 clipping to the optimizer preset's ``grad_clip_norm``, optimizer step, scheduler step,
-``policy.update()`` where the policy has it. The caller supplies backward and the optimizer step
+``policy.update()`` where the policy has it. Two ways to scale it: ``accumulation`` micro-batches
+per step (the gradients of k equal slices of the batch, each loss divided by k, add up to the whole
+batch's for a policy whose loss is a mean over the batch, as ACT's, Diffusion's and SmolVLA's are)
+and ``precision: bf16`` (the forward under ``torch.autocast(..., torch.bfloat16)``, weights and
+optimizer fp32: lerobot-train under ``accelerate launch --mixed_precision=bf16``).
+The caller supplies backward and the optimizer step
 (Determined's ``context.backward`` and ``context.step_optimizer`` in a trial, plain PyTorch
 elsewhere) and the wrappers of model, optimizer and scheduler, so exact resume stays Determined's.
 
@@ -14,8 +19,9 @@ LeRobot is imported here, when a LeRobot policy is built, never at det_lab's imp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -57,6 +63,15 @@ class LeRobotTraining:
     grad_clip_norm: float
     delta_indices: dict[str, list[int]] | None
     grad_norm: torch.Tensor | None = None
+    accumulation: int = 1  # micro-batches per optimizer step
+    precision: str = "fp32"  # or bf16: autocast over the forward
+    device_type: str = "cpu"
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast on the policy's device when ``precision`` is bf16, else nothing."""
+        if self.precision == "bf16":
+            return torch.autocast(self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
 
     @property
     def drop_n_last_frames(self) -> int:
@@ -85,17 +100,29 @@ class LeRobotTraining:
         (``step_optimizer`` must call ``clip_grads``, step and zero the gradients, as Determined's does).
         """
         self.policy.train()
-        batch = self.preprocessor(batch)
-        loss, out = self.model(batch)
-        (backward or _backward)(loss)
+        k = self.accumulation
+        loss_sum: torch.Tensor | None = None
+        out_sum: dict[str, Any] = {}
+        for i, micro in enumerate(split_batch(batch, k)):
+            # DDP: the gradients are exchanged once, after the last micro-batch's backward
+            last = i == k - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self.autocast():
+                    loss, out = self.model(self.preprocessor(micro))
+                (backward or _backward)(loss / k if k > 1 else loss)
+            loss_sum = loss.detach() if loss_sum is None else loss_sum + loss.detach()
+            for key, value in scalars(out).items():
+                out_sum[key] = out_sum[key] + value if key in out_sum else value
         (step_optimizer or self._plain_step)(self.optimizer, self.clip_gradients)
         if self.scheduler is not None:
             self.scheduler.step()
         update = getattr(self.policy, "update", None)
         if callable(update):
             update()
-        metrics: dict[str, Any] = {"loss": loss.detach()}
-        metrics.update(scalars(out))
+        assert loss_sum is not None
+        metrics: dict[str, Any] = {"loss": loss_sum / k}
+        metrics.update({key: value / k for key, value in out_sum.items()})
         if self.grad_norm is not None:
             metrics["grad_norm"] = self.grad_norm.detach()
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -129,7 +156,8 @@ class LeRobotTraining:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(seed)
             pre = self.preprocessor(batch)
-            pred_n = self.predict_chunk(pre).float()
+            with self.autocast():
+                pred_n = self.predict_chunk(pre).float()
         if pred_n.ndim == 2:
             pred_n = pred_n[:, None]
         deltas = list(self.config.action_delta_indices or [0])
@@ -154,6 +182,42 @@ class LeRobotTraining:
         self.preprocessor.save_pretrained(out)
         self.postprocessor.save_pretrained(out)
         return out
+
+
+def split_batch(batch: dict[str, Any], parts: int) -> Iterator[dict[str, Any]]:
+    """A loader's batch as ``parts`` equal micro-batches, in order (tensors and lists along their
+    first axis); the batch itself when ``parts`` is 1.
+
+    Raises:
+        PolicyError: a batch that ``parts`` does not divide.
+    """
+    if parts == 1:
+        yield batch
+        return
+    def cut(value: Any) -> bool:
+        return isinstance(value, (list, tuple)) or (isinstance(value, torch.Tensor) and value.ndim > 0)
+
+    sizes = {len(v) for v in batch.values() if cut(v)}
+    if len(sizes) != 1 or next(iter(sizes)) % parts:
+        raise PolicyError(f"a batch of {sorted(sizes)} samples cannot be cut into {parts} equal micro-batches "
+                          "(hyperparameters.grad_accumulation)")
+    step = sizes.pop() // parts
+    for i in range(parts):
+        yield {key: value[i * step:(i + 1) * step] if cut(value) else value for key, value in batch.items()}
+
+
+def check_precision(cfg: Any, precision: str, device_type: str) -> None:
+    """Refuse bf16 autocast where it cannot run as asked: a device without it (LeRobot's
+    ``is_amp_available``: not MPS; CUDA without bf16) or a policy whose own ``dtype`` keeps its
+    weights in bf16 (pi0, pi0.5: autocast needs fp32 master weights)."""
+    if precision != "bf16":
+        return
+    if device_type == "mps" or (device_type == "cuda" and not torch.cuda.is_bf16_supported()):
+        raise PolicyError(f"hyperparameters.policy.precision bf16: this {device_type} device has no bf16 autocast; "
+                          "set policy.precision: fp32")
+    if str(getattr(cfg, "dtype", "float32")) == "bfloat16":
+        raise PolicyError(f"hyperparameters.policy.precision bf16 autocasts over fp32 weights, but {cfg.type}'s "
+                          "dtype: bfloat16 keeps them in bf16; set policy.dtype: float32 (or drop policy.precision)")
 
 
 def scalars(out: Any) -> dict[str, Any]:
@@ -267,12 +331,13 @@ def check_pretrained_sizes(cfg: Any, meta: DatasetMeta) -> None:
 
 def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | torch.device = "cpu",
                    total_steps: int, wrap_model: Wrap = _same, wrap_optimizer: Wrap = _same,
-                   wrap_scheduler: Wrap = _same) -> LeRobotTraining:
+                   wrap_scheduler: Wrap = _same, accumulation: int = 1) -> LeRobotTraining:
     """Build ``choice`` on the dataset ``meta`` in ``lerobot-train``'s order (see the module doc).
 
     ``total_steps`` is the run's length in optimizer steps (the scheduler preset's horizon);
     ``wrap_*`` receive the policy, optimizer and scheduler as they are made (Determined's
-    ``context.wrap_model`` and friends in a trial).
+    ``context.wrap_model`` and friends in a trial); ``accumulation`` micro-batches make one step
+    (``total_steps`` counts steps, not micro-batches), ``choice.precision`` the forward's autocast.
 
     Raises:
         PolicyError: an unknown type or key, a bad value, or a dataset the policy cannot train on.
@@ -281,6 +346,7 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
 
     device_type = torch.device(device).type
     cfg = make_config(choice, device_type)
+    check_precision(cfg, choice.precision, device_type)
     check_features(cfg, meta, choice.rename_map)
     if cfg.pretrained_path is not None:
         check_pretrained_sizes(cfg, meta)
@@ -307,4 +373,5 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
     if scheduler is not None:
         scheduler = wrap_scheduler(scheduler)
     return LeRobotTraining(cfg, model, policy, preprocessor, postprocessor, optimizer, scheduler,
-                           float(optimizer_cfg.grad_clip_norm), delta_indices(cfg, meta))
+                           float(optimizer_cfg.grad_clip_norm), delta_indices(cfg, meta),
+                           accumulation=accumulation, precision=choice.precision, device_type=device_type)

@@ -107,6 +107,22 @@ def lab_section(exp_conf: dict[str, Any], source: str = "experiment config") -> 
         raise ExpConfError(f"{source}: {key}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
+def micro_batch_size(global_batch: int, slots: int, accumulation: int = 1) -> int:
+    """The batch of one forward: Determined's per-slot batch (``global_batch / slots``) cut into
+    ``accumulation`` micro-batches, whose gradients add up to one optimizer step on ``global_batch``.
+
+    Raises:
+        ExpConfError: a global batch that ``slots * accumulation`` does not divide (one line).
+    """
+    if accumulation < 1 or slots < 1:
+        raise ExpConfError(f"hyperparameters.grad_accumulation must be at least 1, got {accumulation}")
+    if global_batch % (slots * accumulation):
+        raise ExpConfError(f"hyperparameters.global_batch_size {global_batch} must be a multiple of slots_per_trial "
+                           f"x grad_accumulation = {slots} x {accumulation} = {slots * accumulation} (each slot "
+                           "trains global / slots samples per step, in grad_accumulation equal micro-batches)")
+    return global_batch // (slots * accumulation)
+
+
 def base_models_of(exp_conf: dict[str, Any]) -> list[str]:
     """The base models an experiment config names (``data.det_lab.base_model``); none without one."""
     section = (exp_conf.get("data") or {}).get("det_lab") or {}

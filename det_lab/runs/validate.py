@@ -292,6 +292,7 @@ def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config")
     if problems:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise PreflightError(f"{source}: {problems[0]}{more}")
+    _batch_split(exp_conf, source)
     from det_lab.runs.retention import RetentionConfigError, RetentionPolicy
 
     try:  # checkpoint_storage's save_* keys: the schema's "integer, minimum 0", checked before anything runs
@@ -299,6 +300,20 @@ def check_config(exp_conf: Mapping[str, Any], source: str = "experiment config")
     except RetentionConfigError as exc:
         raise PreflightError(f"{source}: {exc}") from None
     return lab
+
+
+def _batch_split(exp_conf: Mapping[str, Any], source: str) -> None:
+    """A global batch that slots x grad_accumulation divides (where all three are fixed numbers)."""
+    from det_lab.runs.expconf import ExpConfError, micro_batch_size
+
+    hparams = exp_conf.get("hyperparameters") or {}
+    batch, steps = hparams.get("global_batch_size"), hparams.get("grad_accumulation", 1) or 1
+    slots = (exp_conf.get("resources") or {}).get("slots_per_trial", 1) or 1
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in (batch, steps, slots)):
+        try:
+            micro_batch_size(batch, slots, steps)
+        except ExpConfError as exc:
+            raise PreflightError(f"{source}: {exc}") from None
 
 
 def _lab_section(exp_conf: Mapping[str, Any], source: str):

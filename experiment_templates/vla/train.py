@@ -13,6 +13,10 @@ searcher and distributed data parallelism (``resources.slots_per_trial``).
 ``hyperparameters.model``) or any type LeRobot's factory builds (``act``, ``diffusion``, ...: built,
 stepped and exported by :mod:`det_lab.policies` as ``lerobot-train`` does; ``act.yaml``). LeRobot
 is imported only then. Each checkpoint of a LeRobot policy also holds LeRobot's ``pretrained_model/``.
+A LeRobot policy scales with ``resources.slots_per_trial`` (each slot trains ``global_batch_size /
+slots`` samples a step, Determined's rule), ``hyperparameters.grad_accumulation`` (those samples in
+that many equal micro-batches, one optimizer step: the global batch is kept) and
+``hyperparameters.policy.precision: bf16`` (bf16 autocast over fp32 weights).
 """
 
 from __future__ import annotations
@@ -69,6 +73,9 @@ class VLATrial(LabPyTorchTrial):
             torch.set_num_threads(int(hp["torch_threads"]))
         self.lerobot: Any = None  # a det_lab.policies.LeRobotTraining when policy.type is LeRobot's
         choice = parse_policy(hp.get("policy"))
+        if not choice.is_lerobot and int(hp.get("grad_accumulation") or 1) != 1:
+            raise UserError("hyperparameters.grad_accumulation is for LeRobot policies (policy.name: act, ...); "
+                            "the det_lab model trains each global batch in one pass")
         if choice.is_lerobot:
             self._init_lerobot(choice)
             return
@@ -107,16 +114,23 @@ class VLATrial(LabPyTorchTrial):
 
     def _init_lerobot(self, choice: Any) -> None:
         from det_lab.formats import LeRobotDataset, split_episodes
-        from det_lab.policies import PolicyFrames, build_training, dataset_meta
+        from det_lab.policies import PolicyError, PolicyFrames, build_training, dataset_meta
+        from det_lab.runs.expconf import micro_batch_size
 
         hp, ctx = self.hp, self.context
+        if hp.get("bf16"):
+            raise PolicyError("hyperparameters.bf16 is the det_lab model's switch; for a LeRobot policy set "
+                              "hyperparameters.policy.precision: bf16")
+        accumulation = int(hp.get("grad_accumulation") or 1)
+        micro_batch_size(ctx.get_global_batch_size(), ctx.distributed.size, accumulation)
         full = LeRobotDataset(self.dataset_path, cameras=hp.get("cameras"))
         train_eps, val_eps = split_episodes(full.episode_indices, val_episodes=int(hp["val_episodes"]),
                                             seed=int(hp.get("split_seed", 0)))
         self.lerobot = build_training(
             choice, dataset_meta(full), device=ctx.device, total_steps=self._total_batches(len(full.select(train_eps))),
             wrap_model=ctx.wrap_model, wrap_optimizer=ctx.wrap_optimizer,
-            wrap_scheduler=lambda s: ctx.wrap_lr_scheduler(s, step_mode=pytorch.LRScheduler.StepMode.MANUAL_STEP))
+            wrap_scheduler=lambda s: ctx.wrap_lr_scheduler(s, step_mode=pytorch.LRScheduler.StepMode.MANUAL_STEP),
+            accumulation=accumulation)
         delta = self.lerobot.delta_indices
         self.lerobot_items = {"train": PolicyFrames(full.select(train_eps), delta, self.lerobot.drop_n_last_frames),
                               "val": PolicyFrames(full.select(val_eps), delta)}
