@@ -7,7 +7,6 @@ Layout (``<n>`` is this process's id, so two sessions never share a name)::
     host 0  dl<n>h0  10.213.X.1  slurmctld, slurmdbd, MariaDB (the controller machine)
     host 1  dl<n>h1  10.213.X.2  slurmd, node dl<n>a (2 CPUs, 2 fake GPUs)
     host 2  dl<n>h2  10.213.X.3  slurmd, node dl<n>b
-    (none)                       nodes dl<n>ghost1, dl<n>ghost2 (partition ghost): no NodeAddr, no slurmd
     root namespace   10.213.X.254 on bridge dl<n>br: the login node (sbatch, sacct, det-lab, MLflow)
 
 Each host is started as ``nsenter --net=<netns> unshare --uts --mount --propagation private`` (not
@@ -220,7 +219,6 @@ def start_bed(base: Path) -> MultiHostCluster:
     n = os.getpid()
     net = f"10.213.{n % 250}"
     names = [f"dl{n}h0", f"dl{n}a", f"dl{n}b"]
-    ghosts = [f"dl{n}ghost1", f"dl{n}ghost2"]
     hosts = [Host(i, f"dl{n}h{i}", names[i], f"{net}.{i + 1}", f"dl{n}v{i}") for i in range(3)]
     for sub in ("etc", "state", "spool", "log", "munge", "dev", "data", "host-tmp"):
         (base / sub).mkdir(parents=True, exist_ok=True)
@@ -228,11 +226,8 @@ def start_bed(base: Path) -> MultiHostCluster:
         (base / "spool" / h.name).mkdir()  # slurmd does not create its spool directory
         for g in range(2):
             os.mknod(base / "dev" / f"{h.name}-gpu{g}", 0o666 | 0o020000, os.makedev(FAKE_GPU_MAJOR, 10 * h.index + g))
-    # the ghost nodes resolve on the hosts, to a loopback address where nothing listens (slurmctld
-    # drops a node whose name does not resolve when it starts, after 10 s of retries), not on the login node
     (base / "etc" / "hosts").write_text("127.0.0.1 localhost\n" + f"{net}.254 dl{n}login\n" +
-                                        "".join(f"{h.addr} {h.name}\n" for h in hosts) +
-                                        "".join(f"127.0.0.{i + 2} {g}\n" for i, g in enumerate(ghosts)))
+                                        "".join(f"{h.addr} {h.name}\n" for h in hosts))
     munge = base / "munge"
     munge.chmod(0o711)
     key = munge / "munge.key"
@@ -263,11 +258,8 @@ def start_bed(base: Path) -> MultiHostCluster:
     }
     settings = SlurmSettings(
         cluster_name=f"dl{n}", controller=ctl.name, controller_addr=ctl.addr,
-        nodes=[*(NodeSettings(name=h.name, addr=h.addr, cpus=2, memory="2GiB", gpus=2, gpu_kind="fake",
-                              gpu_files=str(base / "dev" / f"{h.name}-gpu[0-1]")) for h in hosts[1:]),
-               # two machines the login node does not resolve and slurm.conf gives no address: their
-               # partition is what a multi-node trial must be refused on (they never run a slurmd)
-               *(NodeSettings(name=name, cpus=1, memory="1GiB", gpus=1, gpu_kind="ghost") for name in ghosts)],
+        nodes=[NodeSettings(name=h.name, addr=h.addr, cpus=2, memory="2GiB", gpus=2, gpu_kind="fake",
+                            gpu_files=str(base / "dev" / f"{h.name}-gpu[0-1]")) for h in hosts[1:]],
         slurmctld_port=free_port(), slurmd_port=free_port(), slurm_user="root",
         state_dir=base / "state", spool_dir=base / "spool", log_dir=base / "log",
         signal_seconds=30, extra=extra, accounting=acct)
@@ -377,7 +369,7 @@ def multihost() -> Iterator[Bed]:
     cluster = None
     try:
         with ThreadPoolExecutor(2) as pool:
-            volume = pool.submit(_lab_volume, base)
+            volume = pool.submit(lab_volume, base)
             cluster = start_bed(base)
             mlflow_port = free_port()
             lab = volume.result()
@@ -397,7 +389,7 @@ def multihost() -> Iterator[Bed]:
             shutil.rmtree(base, ignore_errors=True)
 
 
-def _lab_volume(base: Path) -> Lab:
+def lab_volume(base: Path) -> Lab:
     """The lab on ``base/data``: a config outside /tmp (the jobs read it on the hosts), the tiny data."""
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume

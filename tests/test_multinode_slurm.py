@@ -15,109 +15,31 @@ until the node re-registers ("Registered JobId … on wrong node") and slurmctld
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
+import tempfile
 import time
+import urllib.parse
+import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
 
-from tests.conftest import VENV_BIN, Lab
-from tests.multihost import Bed, MultiHostCluster, multihost, record_timing  # noqa: F401 (fixture)
+from det_lab.monitoring.exporter import DEFAULT_PORT
+from det_lab.tracking.mlflow_server import free_port
+from tests import multinode_steps as mn
+from tests.conftest import VENV_BIN
+from tests.multihost import Bed, multihost, record_timing  # noqa: F401 (fixture)
 from tests.slurm_cluster import TINY
-
-#: env of the lab's commands, passed into the jobs (DET_LAB_*): a dead trainer's lock expires in 15 s
-#: (+10 s clock slop), and a stale copy checks its attempt every second
-FAST = {"DET_LAB_LOCK_LIFETIME": "15", "DET_LAB_FENCE_POLL": "1"}
+from tests.test_monitoring_nvml import build_shim
 
 
 @pytest.fixture(scope="module")
 def bed(multihost: Bed) -> Bed:  # noqa: F811 (the fixture imported above)
-    multihost.lab.env.update(FAST)
+    multihost.lab.env.update(mn.FAST)
     return multihost
-
-
-def _config(lab: Lab, name: str, **changes) -> Path:
-    conf = yaml.safe_load((TINY / "const.yaml").read_text())
-    for key, value in changes.items():
-        node = conf
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    path = lab.config.parent / name
-    path.write_text(yaml.safe_dump(conf))
-    return path
-
-
-#: 80 batches, a checkpoint every 20, paced so that a node can be lost mid-run on a loaded machine
-PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 20}}
-
-
-def _state(run_dir: Path) -> dict:
-    return json.loads((run_dir / "run.json").read_text())
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-
-def _losses(run_dir: Path, group: str, key: str) -> dict[int, float]:
-    return {m["step"]: m["metrics"][key] for m in _metrics(run_dir) if m["group"] == group}
-
-
-def _wait(predicate, timeout: float, what: str, poll: float = 0.3):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(poll)
-
-
-def _job(cluster: MultiHostCluster, job_id: str) -> tuple[str, str]:
-    """(state, node) of the job as squeue has it ("", "") once it is gone."""
-    out = cluster.run("squeue", "-h", "-j", job_id, "-o", "%T|%N", check=False).stdout.strip()
-    return tuple(out.split("|")) if "|" in out else ("", "")  # type: ignore[return-value]
-
-
-def _final(cluster: MultiHostCluster, job_id: str) -> str:
-    out = cluster.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
-    return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith("JobState=")), "")
-
-
-def _submit(bed: Bed, config: Path) -> tuple[Path, str]:
-    out = bed.lab.cli("run", str(TINY), "--slurm", "--exp-config", str(config), check=True).stdout
-    run_dir = bed.lab.root / "outputs" / "vla" / "slurm-runs" / out.split()[1].rstrip(":")
-    return run_dir, _state(run_dir)["slurm"]["job_id"]
-
-
-def _straight(bed: Bed, config: Path) -> subprocess.Popen:
-    """The same config trained uninterrupted, on the login node (no node to lose), side by side."""
-    return subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--exp-config", str(config)],
-                            env=bed.lab.env, cwd=bed.lab.config.parent, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _local_run(lab: Lab, config: Path) -> Path:
-    (run_dir,) = [p.parent for p in (lab.root / "outputs" / "vla" / "local-runs").glob("*/run.json")
-                  if _state(p.parent)["config"] == str(config.resolve())]
-    return run_dir
-
-
-def _past_first_checkpoint(run_dir: Path) -> bool:
-    if not (run_dir / "run.json").exists() or not (run_dir / "metrics.jsonl").exists():
-        return False
-    st = _state(run_dir)
-    steps = [m["step"] for m in _metrics(run_dir) if m["group"] == "training"]
-    return bool(st.get("latest_checkpoint")) and max(steps, default=0) > st["latest_checkpoint_step"]
-
-
-def _host_of(cluster: MultiHostCluster, node: str):
-    return next(h for h in cluster.nodes if h.name == node)
 
 
 def _mlflow_steps(bed: Bed, run_dir: Path, key: str, expected: list[int], timeout: float = 120) -> list[int]:
@@ -133,7 +55,7 @@ def _mlflow_steps(bed: Bed, run_dir: Path, key: str, expected: list[int], timeou
         return steps if sorted(set(steps)) == expected else None
 
     try:
-        return _wait(delivered, timeout, f"MLflow to hold every {key}", poll=1)
+        return mn.wait_for(delivered, timeout, f"MLflow to hold every {key}", poll=1)
     except AssertionError:
         return sorted(m.step for m in client.get_metric_history(run_id, key)) if run_id else []
 
@@ -142,17 +64,17 @@ def _check_run(bed: Bed, run_dir: Path, straight_dir: Path) -> dict:
     """What both scenarios must end with: finished at 80 in one run record, checkpoints in step order
     with the pointer on the last, every metric once, the losses of the uninterrupted run, each step
     once in MLflow."""
-    st = _state(run_dir)
+    st = mn.state(run_dir)
     assert st["status"] == "finished" and st["latest_checkpoint_step"] == 80, st
     steps = [c["step"] for c in st["checkpoints"]]
     assert steps == sorted(set(steps)) and st["latest_checkpoint"] == st["checkpoints"][-1]["uuid"], steps
-    seen = [(m["group"], k, m["step"]) for m in _metrics(run_dir) for k in m["metrics"]]
+    seen = [(m["group"], k, m["step"]) for m in mn.metrics(run_dir) for k in m["metrics"]]
     assert len(seen) == len(set(seen)), "a metric recorded twice"
     for group, key in (("training", "loss"), ("validation", "val_loss")):
-        expected, got = _losses(straight_dir, group, key), _losses(run_dir, group, key)
+        expected, got = mn.losses(straight_dir, group, key), mn.losses(run_dir, group, key)
         assert sorted(got) == sorted(expected)
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    expected = sorted(_losses(straight_dir, "training", "loss"))
+    expected = sorted(mn.losses(straight_dir, "training", "loss"))
     assert _mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
     return st
 
@@ -175,24 +97,24 @@ def test_the_test_bed_is_three_hosts_with_one_volume(bed: Bed):
 
 def test_a_killed_node_s_run_resumes_elsewhere_with_the_losses_of_an_uninterrupted_run(bed: Bed):
     c, lab = bed.cluster, bed.lab
-    config = _config(lab, "tiny-kill.yaml", **PACED)
-    run_dir, job_id = _submit(bed, config)
-    straight = _straight(bed, config)
-    _wait(lambda: _past_first_checkpoint(run_dir), 180, "the first checkpoint")
-    state, node = _job(c, job_id)
+    config = mn.config_file(lab, "tiny-kill.yaml", **mn.PACED)
+    run_dir, job_id = mn.submit(bed.lab, config)
+    straight = mn.straight(bed.lab, config)
+    mn.wait_for(lambda: mn.past_first_checkpoint(run_dir), 180, "the first checkpoint")
+    state, node = mn.job(c, job_id)
     assert state == "RUNNING", state
-    latest = _state(run_dir)["latest_checkpoint"]
-    victim = _host_of(c, node)
+    latest = mn.state(run_dir)["latest_checkpoint"]
+    victim = mn.host_of(c, node)
     killed_at = time.monotonic()
     assert c.kill_host(victim) > 2  # slurmd, its stepd, the job's driver and trial (at least)
-    _wait(lambda: _job(c, job_id)[0] == "RUNNING" and _job(c, job_id)[1] not in ("", node), 120,
+    mn.wait_for(lambda: mn.job(c, job_id)[0] == "RUNNING" and mn.job(c, job_id)[1] not in ("", node), 120,
           "the job running on another node", poll=0.2)
     record_timing(c, "kill_to_running_elsewhere_s", time.monotonic() - killed_at)
     c.restart_slurmd(victim)  # the node boots again (ReturnToService=2: usable once registered)
-    _wait(lambda: _final(c, job_id) == "COMPLETED", 240, "the requeued job to complete", poll=1)
+    mn.wait_for(lambda: mn.final(c, job_id) == "COMPLETED", 240, "the requeued job to complete", poll=1)
     straight_out = straight.communicate(timeout=240)[0]
     assert straight.returncode == 0, straight_out
-    straight_dir = _local_run(lab, config)
+    straight_dir = mn.local_run(lab, config)
 
     st = _check_run(bed, run_dir, straight_dir)
     first, second = st["slurm"]["attempts"]
@@ -210,22 +132,8 @@ def test_a_killed_node_s_run_resumes_elsewhere_with_the_losses_of_an_uninterrupt
     c.wait_nodes()
 
 
-def _trial_pids(cluster: MultiHostCluster, host, run_dir: Path) -> list[int]:
-    """The processes of ``host`` that train or drive the run (by namespace, then their argv); its
-    tracking senders may linger to deliver what was journaled."""
-    out = []
-    for pid in cluster.pids(host):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if "train.py" in argv or f"det_lab.slurm.job {run_dir}" in argv:  # not its tracking senders
-            out.append(pid)
-    return out
-
-
 def _files(run_dir: Path, ckpts: Path) -> dict[str, object]:
-    st = _state(run_dir)
+    st = mn.state(run_dir)
     return {"run": {k: st.get(k) for k in ("status", "latest_checkpoint", "checkpoints")},
             "metrics": (run_dir / "metrics.jsonl").read_bytes(), "ckpts": sorted(p.name for p in ckpts.iterdir())}
 
@@ -234,28 +142,28 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
     c, lab = bed.cluster, bed.lab
     c.wait_nodes(("idle",))
     # slower than PACED: the cut-off copy must still train when Slurm has requeued the job
-    config = _config(lab, "tiny-partition.yaml", **{**PACED, "hyperparameters.sleep_per_batch": 0.5})
-    run_dir, job_id = _submit(bed, config)
-    straight = _straight(bed, config)
-    _wait(lambda: _past_first_checkpoint(run_dir), 180, "the first checkpoint")
-    node = _job(c, job_id)[1]
-    host = _host_of(c, node)
-    assert _trial_pids(c, host, run_dir)
+    config = mn.config_file(lab, "tiny-partition.yaml", **{**mn.PACED, "hyperparameters.sleep_per_batch": 0.5})
+    run_dir, job_id = mn.submit(bed.lab, config)
+    straight = mn.straight(bed.lab, config)
+    mn.wait_for(lambda: mn.past_first_checkpoint(run_dir), 180, "the first checkpoint")
+    node = mn.job(c, job_id)[1]
+    host = mn.host_of(c, node)
+    assert mn.trial_pids(c, host, run_dir)
     cut_at = time.monotonic()
     c.link(host, up=False)  # the node's processes run on, with the volume: two live copies
     try:
-        _wait(lambda: _job(c, job_id)[0] == "RUNNING" and _job(c, job_id)[1] not in ("", node), 120,
+        mn.wait_for(lambda: mn.job(c, job_id)[0] == "RUNNING" and mn.job(c, job_id)[1] not in ("", node), 120,
               "the requeued copy running on another node", poll=0.2)
         record_timing(c, "partition_to_running_elsewhere_s", time.monotonic() - cut_at)
-        _wait(lambda: not _trial_pids(c, host, run_dir), 60, "the cut-off copy to stop", poll=0.2)
+        mn.wait_for(lambda: not mn.trial_pids(c, host, run_dir), 60, "the cut-off copy to stop", poll=0.2)
         record_timing(c, "partition_to_old_copy_stopped_s", time.monotonic() - cut_at)
-        _wait(lambda: _final(c, job_id) == "COMPLETED", 240, "the requeued job to complete", poll=1)
+        mn.wait_for(lambda: mn.final(c, job_id) == "COMPLETED", 240, "the requeued job to complete", poll=1)
     finally:
         c.link(host, up=True)
     healed_at = time.monotonic()
     straight_out = straight.communicate(timeout=240)[0]
     assert straight.returncode == 0, straight_out
-    straight_dir = _local_run(lab, config)
+    straight_dir = mn.local_run(lab, config)
 
     st = _check_run(bed, run_dir, straight_dir)
     assert len(st["slurm"]["attempts"]) == 2, "the cut-off copy finished before the requeued one started"
@@ -280,27 +188,11 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
 
     # healed: the node comes back, and nothing of the run changes any more
     before = _files(run_dir, ckpts)
-    _wait(lambda: c.node_state(host).rstrip("*") == "idle", 90, f"{node} back after the heal", poll=0.5)
+    mn.wait_for(lambda: c.node_state(host).rstrip("*") == "idle", 90, f"{node} back after the heal", poll=0.5)
     record_timing(c, "heal_to_node_back_s", time.monotonic() - healed_at)
     time.sleep(2)  # a late write would land now
     assert _files(run_dir, ckpts) == before
-    assert _final(c, job_id) == "COMPLETED"
-
-
-def _ranks(cluster: MultiHostCluster, host) -> set[int]:
-    """The global ranks of the trial processes running on ``host`` (their RANK, as torchrun set it)."""
-    ranks = set()
-    for pid in cluster.pids(host):
-        try:
-            if b"train.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
-                continue
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
-                       if "=" in kv)
-        except OSError:
-            continue
-        if "RANK" in env:
-            ranks.add(int(env["RANK"]))
-    return ranks
+    assert mn.final(c, job_id) == "COMPLETED"
 
 
 def test_two_nodes_train_to_the_losses_of_one_node_with_the_same_global_batch(bed: Bed):
@@ -309,33 +201,33 @@ def test_two_nodes_train_to_the_losses_of_one_node_with_the_same_global_batch(be
     job's first node, whose driver records the run; the chief alone writes checkpoints and metrics."""
     c, lab = bed.cluster, bed.lab
     c.wait_nodes(("idle",))
-    two = _config(lab, "tiny-2nodes.yaml", **{"resources.slots_per_trial": 4, "hyperparameters.batch_size": 4})
-    one = _config(lab, "tiny-1node.yaml", **{"resources.slots_per_trial": 1})  # batch_size 16
-    run_dir, job_id = _submit(bed, two)
-    straight = _straight(bed, one)
+    two = mn.config_file(lab, "tiny-2nodes.yaml", **{"resources.slots_per_trial": 4, "hyperparameters.batch_size": 4})
+    one = mn.config_file(lab, "tiny-1node.yaml", **{"resources.slots_per_trial": 1})  # batch_size 16
+    run_dir, job_id = mn.submit(bed.lab, two)
+    straight = mn.straight(bed.lab, one)
     assert "#SBATCH --nodes=2" in (run_dir / "job.sbatch").read_text()
     a, b = c.nodes
-    ranks = _wait(lambda: (lambda r: r if all(len(x) == 2 for x in r.values()) else None)(
-        {h.name: _ranks(c, h) for h in (a, b)}), 180, "two ranks on each node", poll=0.2)
+    ranks = mn.wait_for(lambda: (lambda r: r if all(len(x) == 2 for x in r.values()) else None)(
+        {h.name: mn.ranks_on(c, h) for h in (a, b)}), 180, "two ranks on each node", poll=0.2)
     assert ranks == {a.name: {0, 1}, b.name: {2, 3}}, ranks  # the job's first node (SLURM_NODEID 0) holds rank 0
-    _wait(lambda: _final(c, job_id) in ("COMPLETED", "FAILED"), 240, "the job to end", poll=1)
+    mn.wait_for(lambda: mn.final(c, job_id) in ("COMPLETED", "FAILED"), 240, "the job to end", poll=1)
     straight_out = straight.communicate(timeout=240)[0]
     assert straight.returncode == 0, straight_out
-    st = _state(run_dir)
-    assert _final(c, job_id) == "COMPLETED", (run_dir / "train.log").read_text()[-3000:]
+    st = mn.state(run_dir)
+    assert mn.final(c, job_id) == "COMPLETED", (run_dir / "train.log").read_text()[-3000:]
     (attempt,) = st["slurm"]["attempts"]
     assert attempt["nodes"] == [a.name, b.name] and attempt["node"] == a.name, attempt
 
-    straight_dir = _local_run(lab, one)
+    straight_dir = mn.local_run(lab, one)
     for group, key in (("training", "loss"), ("validation", "val_loss")):
-        expected, got = _losses(straight_dir, group, key), _losses(run_dir, group, key)
+        expected, got = mn.losses(straight_dir, group, key), mn.losses(run_dir, group, key)
         assert sorted(got) == sorted(expected) and len(got) >= 4
         assert got == pytest.approx(expected, rel=1e-6)
         steps = sorted(expected)  # the neighbouring step's loss is outside that tolerance
         assert all(expected[s] != pytest.approx(expected[t], rel=1e-6) for s, t in zip(steps, steps[1:]))
-    seen = [(m["group"], k, m["step"]) for m in _metrics(run_dir) for k in m["metrics"]]
+    seen = [(m["group"], k, m["step"]) for m in mn.metrics(run_dir) for k in m["metrics"]]
     assert len(seen) == len(set(seen)), "a metric recorded twice"
-    expected = sorted(_losses(straight_dir, "training", "loss"))
+    expected = sorted(mn.losses(straight_dir, "training", "loss"))
     assert _mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
     # written once, by the chief: two checkpoints in the record, no other checkpoint of the job on the volume
     assert [c_["step"] for c_ in st["checkpoints"]] == [40, 80] and st["latest_checkpoint_step"] == 80
@@ -348,31 +240,95 @@ def test_two_nodes_train_to_the_losses_of_one_node_with_the_same_global_batch(be
 
 
 def test_a_multi_node_trial_the_partition_cannot_hold_or_reach_is_one_line_before_sbatch(bed: Bed, monkeypatch):
-    """More nodes than the partition has, or a partition whose nodes nobody resolves (bed: the
-    ghost nodes, no NodeAddr): one line, no run directory, no job. The bed's own nodes do not
-    resolve on the login node either, but slurm.conf gives their addresses: those are used."""
+    """More nodes than the partition has, or a partition with a node Slurm knows by a name only that
+    the login node does not resolve: one line, no run directory, no job. The bed's node names do
+    not resolve on the login node at all; their NodeAddr (slurm.conf) is what reaches them."""
     from det_lab.slurm.nodes import NodeAddressError, first_node_address
 
     c, lab = bed.cluster, bed.lab
+    a, b = c.nodes
+    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])  # the job's view of Slurm, from here
+    assert first_node_address({"SLURM_JOB_NODELIST": f"{a.name},{b.name}"}) == (a.name, a.addr)
     runs = lab.root / "outputs" / "vla" / "slurm-runs"
-    ghost = next(n.name for n in c.settings.nodes if n.partition == "ghost")
     jobs = c.run("squeue", "-h", "--states=all", "-o", "%i").stdout.split()
-    for args, message in (
-        (["--set", "resources.slots_per_trial=6"],
-         "resources.slots_per_trial=6: partition fake has 2 node(s) with at most 2 GPUs each, so a trial fits 2 or "
-         "fewer GPUs on one node, or a multiple of 2 up to 4 across nodes (6 would take 3 nodes)"),
-        (["--partition", "ghost", "--set", "resources.slots_per_trial=2"],
-         f"partition ghost: node {ghost}: its name does not resolve here and slurm.conf gives it no NodeAddr")):
+
+    def refused(args: list[str], message: str) -> None:
         before = set(runs.iterdir()) if runs.exists() else set()
         proc = lab.cli("run", str(TINY), "--slurm", *args)
         assert proc.returncode == 2, proc.stdout + proc.stderr
         (line,) = proc.stderr.strip().splitlines()
         assert line.startswith(f"error: {message}"), line
         assert (set(runs.iterdir()) if runs.exists() else set()) == before
+
+    refused(["--set", "resources.slots_per_trial=6"],
+            "resources.slots_per_trial=6: partition fake has 2 node(s) with at most 2 GPUs each, so a trial fits 2 "
+            "or fewer GPUs on one node, or a multiple of 2 up to 4 across nodes (6 would take 3 nodes)")
+    # Slurm forgets b's address (its name resolves on the hosts: nothing else changes for Slurm)
+    c.run("scontrol", "update", f"NodeName={b.name}", f"NodeAddr={b.name}")
+    try:
+        refused(["--set", "resources.slots_per_trial=4"],
+                f"partition fake: node {b.name}: its name does not resolve here and slurm.conf gives it no NodeAddr")
+        with pytest.raises(NodeAddressError, match=f"node {b.name}: its name does not resolve"):
+            first_node_address({"SLURM_JOB_NODELIST": b.name})
+    finally:
+        c.run("scontrol", "update", f"NodeName={b.name}", f"NodeAddr={b.addr}")
     assert c.run("squeue", "-h", "--states=all", "-o", "%i").stdout.split() == jobs  # nothing reached sbatch
 
-    monkeypatch.setenv("SLURM_CONF", c.env["SLURM_CONF"])  # the job's view, from the login node
+
+def test_one_prometheus_scrapes_every_node_s_exporter_from_the_rendered_config(bed: Bed, tmp_path):
+    """The lab's slurm.yaml names both hosts; 'det-lab monitor config' renders one scrape target per
+    node (its NodeAddr: the names resolve on the hosts, not here); each host runs its det-lab
+    exporter, and one Prometheus on the login node scrapes both."""
+    if not (shutil.which("prometheus") and shutil.which("promtool")):
+        pytest.skip("needs Debian's prometheus package (prometheus, promtool): tests/setup.sh installs it")
+    c, lab = bed.cluster, bed.lab
     a, b = c.nodes
-    assert first_node_address({"SLURM_JOB_NODELIST": f"{a.name},{b.name}"}) == (a.name, a.addr)
-    with pytest.raises(NodeAddressError, match=f"node {ghost}: its name does not resolve"):
-        first_node_address({"SLURM_JOB_NODELIST": ghost})
+    slurm_yaml = lab.root / ".det-lab" / "slurm.yaml"
+    slurm_yaml.write_text(yaml.safe_dump({"nodes": [
+        {"name": h.name, "addr": h.addr, "cpus": 2, "gpus": 2, "gpu_kind": "fake"} for h in (a, b)]}))
+    exporters: list[subprocess.Popen] = []
+    try:
+        lab.cli("monitor", "config", "--out", str(tmp_path / "mon"), "--scrape-interval", "1s",
+                "--tsdb", str(tmp_path / "tsdb"), check=True)
+        conf = tmp_path / "mon" / "prometheus" / "prometheus.yml"
+        (job,) = [j for j in yaml.safe_load(conf.read_text())["scrape_configs"] if j["job_name"] == "det-lab-node"]
+        assert job["static_configs"][0]["targets"] == [f"{a.addr}:{DEFAULT_PORT}", f"{b.addr}:{DEFAULT_PORT}"]
+        assert subprocess.run(["promtool", "check", "config", str(conf)], capture_output=True).returncode == 0
+        # what the rendered det-lab-exporter-gpus unit runs on every node, each host with two GPUs of
+        # the NVML stand-in (in the bed's directory: the hosts' /tmp is their own)
+        nvml = build_shim(Path(tempfile.mkdtemp(prefix="nvml-", dir=c.dir)))
+        for h in (a, b):
+            conf_h = nvml["lib"] / f"{h.name}.conf"
+            conf_h.write_text("".join(f"gpu GPU-{h.name}-{g} 0 0 0 1000 Fake GPU\n" for g in range(2)))
+            env = {**lab.env, "LD_LIBRARY_PATH": str(nvml["lib"]), "NVML_SHIM_CONFIG": str(conf_h),
+                   "DET_LAB_GPU_STATE_DIR": str(nvml["lib"] / f"state-{h.name}")}
+            exporters.append(subprocess.Popen(c.host_argv(h, [str(VENV_BIN / "det-lab"), "exporter", "--port",
+                                                              str(DEFAULT_PORT), "--source", "gpus"]),
+                                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        port = free_port()
+        exporters.append(subprocess.Popen(
+            ["prometheus", f"--config.file={conf}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+             f"--web.listen-address=127.0.0.1:{port}"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+
+        def query(expr: str) -> list[dict]:
+            url = f"http://127.0.0.1:{port}/api/v1/query?{urllib.parse.urlencode({'query': expr})}"
+            try:
+                with urllib.request.urlopen(url, timeout=10) as resp:
+                    return json.loads(resp.read())["data"]["result"]
+            except OSError:  # not listening yet
+                return []
+
+        def gpus() -> set[tuple[str, str, str]] | None:
+            series = query("det_lab_gpu_info")
+            return {(r["metric"]["instance"], r["metric"]["host"], r["metric"]["uuid"]) for r in series} \
+                if len(series) == 4 else None
+
+        seen = mn.wait_for(gpus, 90, "both hosts' GPUs in Prometheus", poll=0.5)
+        assert seen == {(f"{h.addr}:{DEFAULT_PORT}", h.name, f"GPU-{h.name}-{g}") for h in (a, b) for g in range(2)}
+        up = {r["metric"]["instance"]: r["value"][1] for r in query('up{job="det-lab-node"}')}
+        assert up == {f"{a.addr}:{DEFAULT_PORT}": "1", f"{b.addr}:{DEFAULT_PORT}": "1"}
+    finally:
+        slurm_yaml.unlink()
+        for proc in exporters:
+            proc.terminate()
+            proc.wait(timeout=20)

@@ -1,0 +1,133 @@
+"""Steps of det_lab's multi-node scenarios on the test bed (tests/multihost.py), shared by
+tests/test_multinode_slurm.py and bench/multinode.py: a tiny run's config, its submission, its
+record and metrics, the job as Slurm has it, the processes of a run on a host."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import yaml
+
+from tests.conftest import VENV_BIN, Lab
+from tests.multihost import MultiHostCluster
+from tests.slurm_cluster import TINY
+
+#: env of the lab's commands, passed into the jobs (DET_LAB_*): a dead trainer's lock expires in 15 s
+#: (+10 s clock slop), and a stale copy checks its attempt every second
+FAST = {"DET_LAB_LOCK_LIFETIME": "15", "DET_LAB_FENCE_POLL": "1"}
+
+
+def config_file(lab: Lab, name: str, **changes) -> Path:
+    conf = yaml.safe_load((TINY / "const.yaml").read_text())
+    for key, value in changes.items():
+        node = conf
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = lab.config.parent / name
+    path.write_text(yaml.safe_dump(conf))
+    return path
+
+
+#: 80 batches, a checkpoint every 20, paced so that a node can be lost mid-run on a loaded machine
+PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 20}}
+
+
+def state(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def losses(run_dir: Path, group: str, key: str) -> dict[int, float]:
+    return {m["step"]: m["metrics"][key] for m in metrics(run_dir) if m["group"] == group}
+
+
+def wait_for(predicate, timeout: float, what: str, poll: float = 0.3):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(poll)
+
+
+def job(cluster: MultiHostCluster, job_id: str) -> tuple[str, str]:
+    """(state, node) of the job as squeue has it ("", "") once it is gone."""
+    out = cluster.run("squeue", "-h", "-j", job_id, "-o", "%T|%N", check=False).stdout.strip()
+    return tuple(out.split("|")) if "|" in out else ("", "")  # type: ignore[return-value]
+
+
+def final(cluster: MultiHostCluster, job_id: str) -> str:
+    out = cluster.run("scontrol", "show", "job", "-o", job_id, check=False).stdout
+    return next((kv.split("=", 1)[1] for kv in out.split() if kv.startswith("JobState=")), "")
+
+
+def submit(lab: Lab, config: Path) -> tuple[Path, str]:
+    out = lab.cli("run", str(TINY), "--slurm", "--exp-config", str(config), check=True).stdout
+    run_dir = lab.root / "outputs" / "vla" / "slurm-runs" / out.split()[1].rstrip(":")
+    return run_dir, state(run_dir)["slurm"]["job_id"]
+
+
+def straight(lab: Lab, config: Path) -> subprocess.Popen:
+    """The same config trained uninterrupted, on the login node (no node to lose), side by side."""
+    return subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--exp-config", str(config)],
+                            env=lab.env, cwd=lab.config.parent, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def local_run(lab: Lab, config: Path) -> Path:
+    (run_dir,) = [p.parent for p in (lab.root / "outputs" / "vla" / "local-runs").glob("*/run.json")
+                  if state(p.parent)["config"] == str(config.resolve())]
+    return run_dir
+
+
+def past_first_checkpoint(run_dir: Path) -> bool:
+    if not (run_dir / "run.json").exists() or not (run_dir / "metrics.jsonl").exists():
+        return False
+    st = state(run_dir)
+    steps = [m["step"] for m in metrics(run_dir) if m["group"] == "training"]
+    return bool(st.get("latest_checkpoint")) and max(steps, default=0) > st["latest_checkpoint_step"]
+
+
+def host_of(cluster: MultiHostCluster, node: str):
+    return next(h for h in cluster.nodes if h.name == node)
+
+
+def trial_pids(cluster: MultiHostCluster, host, run_dir: Path) -> list[int]:
+    """The processes of ``host`` that train or drive the run (by namespace, then their argv); its
+    tracking senders may linger to deliver what was journaled."""
+    out = []
+    for pid in cluster.pids(host):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if "train.py" in argv or f"det_lab.slurm.job {run_dir}" in argv:  # not its tracking senders
+            out.append(pid)
+    return out
+
+
+def ranks_on(cluster: MultiHostCluster, host) -> set[int]:
+    """The global ranks of the trial processes running on ``host`` (their RANK, as torchrun set it)."""
+    ranks = set()
+    for pid in cluster.pids(host):
+        try:
+            if b"train.py" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+                continue
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_bytes().decode().split("\0")
+                       if "=" in kv)
+        except OSError:
+            continue
+        if "RANK" in env:
+            ranks.add(int(env["RANK"]))
+    return ranks
+
