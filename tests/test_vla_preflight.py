@@ -4,7 +4,8 @@
 missing base model, pretrained policy or backbone weight file in one line naming its ``det-lab models
 import``, before the GPU lease and before any run directory; a pretrained policy whose state or action
 size differs from the dataset's is refused there and in the trial (``build_training``), before the
-weights load. The Slurm and Determined sides: tests/test_slurm_run.py, tests/test_determined_templates.py.
+weights load; a global batch that slots x grad_accumulation does not divide is refused there too.
+The Slurm and Determined sides: tests/test_slurm_run.py, tests/test_determined_templates.py.
 """
 
 from __future__ import annotations
@@ -99,3 +100,21 @@ def test_a_dataset_whose_sizes_differ_from_the_pretrained_policys_is_one_line_an
     # the dataset it was trained on: built from the pretrained weights, which it holds
     again = build_training(choice, dataset_meta(LeRobotDataset(written)), total_steps=1)
     assert all(a.equal(b) for a, b in zip(again.policy.state_dict().values(), training.policy.state_dict().values()))
+
+
+def test_det_lab_run_takes_the_scale_keys_with_set_and_refuses_an_uneven_split_before_the_gpus(demo_lab):
+    """``det-lab run vla --local --exp-config act.yaml --set ...``'s checks: grad_accumulation 2 and
+    policy.precision bf16 reach the GPU lease; grad_accumulation 3 of act.yaml's batch of 8 is one
+    line before it, and no run directory is written."""
+    from det_lab.runs.validate import PreflightError
+
+    runs = demo_lab.root / "outputs" / "vla" / "local-runs"
+    before = sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []
+    assert len(_prepare(demo_lab, "hyperparameters.grad_accumulation=2", "hyperparameters.policy.precision=bf16",
+                        "hyperparameters.policy.pretrained_backbone_weights=null")) == 1
+    with pytest.raises(PreflightError) as err:
+        _prepare(demo_lab, "hyperparameters.grad_accumulation=3")
+    assert "\n" not in str(err.value) and str(err.value).startswith(
+        f"{TEMPLATE / 'act.yaml'}: hyperparameters.global_batch_size 8 must be a multiple of slots_per_trial x "
+        "grad_accumulation = 1 x 3 = 3"), str(err.value)
+    assert (sorted(p.name for p in runs.iterdir()) if runs.is_dir() else []) == before

@@ -67,7 +67,7 @@ def _close(a: dict, b: dict, **tol) -> bool:
 
 
 def test_accumulated_micro_batches_give_the_whole_batchs_step(written):
-    """Two steps of 8 samples, as 2 and as 4 micro-batches, against the steps on the whole batches:
+    """Two steps of 8 samples, as 4 micro-batches of 2, against the steps on the whole batches:
     the same losses, gradients (to 2e-6 of gradients up to ~3; measured: 7e-7) and parameters (to
     1e-4, of Adam steps of lr = 1e-3; measured: 4.4e-5), while the neighbouring steps' gradients
     (~3 apart) and parameters (1e-3 apart) fail those tolerances. Parameters need the looser bound:
@@ -78,7 +78,7 @@ def test_accumulated_micro_batches_give_the_whole_batchs_step(written):
     initial = {k: v.detach().clone() for k, v in whole.policy.state_dict().items()}
     losses, grads, states = _steps(whole, batches)
     grad_tol, param_tol = dict(rtol=1e-5, atol=2e-6), dict(rtol=0, atol=1e-4)
-    for k in (2, 4):
+    for k in (4,):  # (2 passes too; 4 is the harder split, and one is enough for the suite's time)
         acc, _ = _training(written, DETERMINISTIC_ACT, accumulation=k)
         acc_losses, acc_grads, acc_states = _steps(acc, batches[:2])
         assert acc_losses == pytest.approx(losses[:2], rel=1e-6), k
