@@ -103,7 +103,7 @@ class Master:
     def __init__(self, config: dict[str, Any] | None = None, *, port: int = 0,
                  searcher_factory: Callable[[dict[str, Any], int], Any] | None = None,
                  stop_preempts: bool = False, det_user: str = "determined",
-                 agent_user_group: dict[str, Any] | None = None) -> None:
+                 agent_user_group: dict[str, Any] | None = None, host: str = "127.0.0.1") -> None:
         from tests.standin import master_client_api, master_ntsc, master_task_api, master_webui_api
 
         if searcher_factory is None:
@@ -116,7 +116,8 @@ class Master:
         self.unserved: list[str] = []
         self.state.add_user("admin", admin=True)
         self.state.add_user(det_user, admin=True, agent_user_group=agent_user_group)
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", port), _make_handler(self))
+        self.host = host  # where it listens: another address than the loopback for agents on other hosts
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="det-standin-master", daemon=True)
         self._thread.start()
@@ -127,7 +128,7 @@ class Master:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     def close(self) -> None:
         self.httpd.shutdown()

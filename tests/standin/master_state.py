@@ -65,6 +65,9 @@ class Alloc:
     latest_checkpoint: str | None = None
     steps_completed: int = 0
     command: Any = None
+    #: the containers of an allocation fitted over several agents (tests/standin/agents.py Resources),
+    #: each with its rank; empty for one container of the one-agent stand-in (tests/standin/agent.py)
+    resources: list[Any] = field(default_factory=list)
 
 
 @dataclass

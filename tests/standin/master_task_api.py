@@ -74,7 +74,12 @@ def get_task_context_directory(req: Request) -> dict[str, Any]:
 @route(ROUTES, "GET", "/api/v1/allocations/{allocationId}/resources/{resourcesId}/rendezvous")
 def rendezvous(req: Request) -> dict[str, Any]:
     """task/allocation.go rendezvous (api_trials.go:1575-1594): one container, rank 0; a complete
-    rendezvous makes the allocation ready (allocation.go:384-394), so a pause preempts it."""
+    rendezvous makes the allocation ready (allocation.go:384-394), so a pause preempts it. An allocation
+    fitted over several agents waits for all its containers (tests/standin/agents.py)."""
+    alloc = _alloc(req)
+    if alloc.resources:
+        from tests.standin.agents import watch_rendezvous
+        return watch_rendezvous(req.master, alloc, req.groups["resourcesId"])
     with req.master.state.lock:
         alloc = _alloc(req)
         alloc.ready = True

@@ -37,6 +37,9 @@ class Allocation:
     extra_env: dict[str, str] = field(default_factory=dict)
     entrypoint: list[str] = field(default_factory=list)
     work_dir: str | None = None
+    #: one of several containers of a multi-agent allocation: Docker's host networking (master/pkg/tasks/
+    #: task.go:274-277 UseHostMode, set from resources.go:57 IsMultiAgent = allocation.go:712 len(resources) > 1)
+    use_host_mode: bool = False
 
 
 @dataclass

@@ -39,8 +39,9 @@ import subprocess
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 from tests.standin import task_scripts
@@ -59,6 +60,20 @@ STANDIN_DIR = "/run/det-standin"
 RELAY_IP = "127.0.79.1"
 #: the agent's container_master_host when the caller names none
 MASTER_NAME = "det-master"
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Another machine the agent and its containers run on (a host of tests/multihost_agents.py).
+
+    ``name``: its hostname; ``hosts_file``: its /etc/hosts (what a host-networking container sees,
+    with its hostname: Docker's ``--network host``); ``argv``: a command as a root process there;
+    ``tmp_dir``: where the agent keeps a container's files, at the same path here and there."""
+
+    name: str
+    hosts_file: Path
+    argv: Callable[[list[str]], list[str]]
+    tmp_dir: Path
 
 
 class _MasterRelay:
@@ -166,7 +181,7 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
                    master_addr: tuple[str, int] | None = None, cluster_id: str = "det-lab-standin",
                    master_id: str = "det-lab-standin-master", emit_logs: bool = True,
                    kill: threading.Event | None = None,
-                   services: dict[str, tuple[str, int]] | None = None) -> TaskExit:
+                   services: dict[str, tuple[str, int]] | None = None, machine: Machine | None = None) -> TaskExit:
     """Run ``alloc``'s trial container to its end, as a Determined 0.38.1 agent would.
 
     ``master``: the master.yaml dict (task-container defaults of ``pool``, unless ``alloc`` carries
@@ -176,7 +191,9 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
     stand-in listens on this machine (default: ``alloc.master_url``'s host and port). ``kill``: set it to
     kill the container (SIGKILL, exit 137). Exit code 124 when ``timeout`` passes. ``services``: other
     machines of the lab the task reaches by name (a tracking server): name -> this machine's address,
-    relayed as the master is, at the same port.
+    relayed as the master is, at the same port. ``machine``: the agent runs on that machine, not this
+    one: the container is started there (as root, then ``setpriv`` to the linked user: the uid change
+    Docker makes), and with host networking it has that machine's hostname and /etc/hosts.
     """
     if alloc.task_type not in ("TRIAL", "COMMAND"):  # notebook-entrypoint.sh needs jupyterlab in the image
         return TaskExit(alloc.allocation_id, 1, "", f"stand-in agent: a {alloc.task_type} task is not modelled "
@@ -193,15 +210,18 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
              **(agent or {})}
     master_host = agent.get("container_master_host") or agent["master_host"]
     master_port = int(agent.get("container_master_port") or agent["master_port"])
-    bridge = tcd.get("network_mode", "bridge") != "host"
+    # task.go:274-277: a container of a multi-agent allocation uses the host's network, whatever the defaults say
+    bridge = tcd.get("network_mode", "bridge") != "host" and not alloc.use_host_mode
     hostname = alloc.container_id[:12]  # Docker's default hostname: the container id's first 12 characters
+    if machine is not None and not bridge:  # --network host: the host's hostname and /etc/hosts
+        hostname = machine.name
     env = docker_env(image.env, master_env(alloc, tcd) + agent_env(alloc, agent, cluster_id=cluster_id,
                                                                    master_id=master_id), hostname)
     if emit_logs:
         env["DET_SHIPPER_EMIT_STDOUT_LOGS"] = "1"
     shm = int((alloc.config.get("resources") or {}).get("shm_size") or tcd["shm_size_bytes"])  # task_trial.go:142-144
 
-    root = Path(tempfile.mkdtemp(prefix="det-task-"))
+    root = Path(tempfile.mkdtemp(prefix="det-task-", dir=machine.tmp_dir if machine else None))
     relays: list[_MasterRelay] = []
     try:
         root.chmod(0o755)
@@ -217,6 +237,8 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
         _write(standin / "group", group, 0o644)
         _write(standin / "netfwd.py", task_scripts.NETFWD_PY, 0o644)
         hosts = f"127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n"
+        if machine is not None and not bridge:
+            hosts = machine.hosts_file.read_text()
         fwd: list[str] = []
         if not bridge:  # network_mode host: the host's network, the master where it listens
             hosts += f"{master_addr[0]}\t{master_host}\n" if not _is_loopback(master_host) else ""
@@ -256,9 +278,12 @@ def run_allocation(alloc: Allocation, *, master: dict[str, Any], user: LinkedUse
                  str(image.bin_dir / "python3"), "-I", "-S", f"{STANDIN_DIR}/netfwd.py", *fwd, "--",
                  f"{RUN_DIR}/ship-logs.sh", f"{RUN_DIR}/ship_logs.py", *entrypoint]  # task.go:249-258
         args[0] = shutil.which("bwrap") or "bwrap"
-        proc = subprocess.Popen(args, env=env, user=user.uid, group=user.gid, extra_groups=[], umask=0o022,
-                                cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, errors="replace")
+        as_user: dict[str, Any] = {"user": user.uid, "group": user.gid, "extra_groups": []}
+        if machine is not None:
+            args = machine.argv(["setpriv", f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--", *args])
+            as_user = {}
+        proc = subprocess.Popen(args, env=env, umask=0o022, cwd="/", stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, errors="replace", **as_user)
         deadline, code, out, err = time.monotonic() + timeout, None, "", ""
         while True:
             try:
