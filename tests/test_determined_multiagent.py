@@ -55,7 +55,7 @@ LR = 0.1
 
 #: the trial: a Core API script under Determined's torch_distributed launcher
 TRAIN = f'''
-import json, os, socket
+import json, os, socket, time
 import torch
 import torch.distributed as dist
 from determined import core
@@ -71,6 +71,10 @@ def data():
 
 dist.init_process_group("gloo")
 rank, size = dist.get_rank(), dist.get_world_size()
+if os.environ.get("FAIL_RANK"):  # that rank fails; the others wait for nothing
+    if rank == int(os.environ["FAIL_RANK"]):
+        raise SystemExit(3)
+    time.sleep(600)
 torch.manual_seed(0)
 model = torch.nn.Linear(3, 1)
 ddp = torch.nn.parallel.DistributedDataParallel(model)
@@ -194,20 +198,26 @@ def bed(harness_wheels):  # noqa: F811
         shutil.rmtree(base, ignore_errors=True)
 
 
-@pytest.fixture(scope="module")
-def trial(bed):
-    """One experiment of ``TRAIN`` with two slots per trial, run to its end."""
+def _create(bed: Bed, *env: str) -> int:
+    """``det experiment create`` of ``TRAIN`` with two slots per trial and the variables ``env``."""
     ctx = bed.base / "context"
-    ctx.mkdir()
+    ctx.mkdir(exist_ok=True)
     (ctx / "train.py").write_text(TRAIN)
     conf = {"name": "two-agents", "entrypoint": "python3 -m determined.launch.torch_distributed python3 train.py",
             "resources": {"slots_per_trial": 2}, "max_restarts": 0, "hyperparameters": {},
             "searcher": {"name": "single", "metric": "loss", "max_length": 1, "smaller_is_better": True},
+            "environment": {"environment_variables": list(env)},
             "bind_mounts": [{"host_path": str(bed.base / "out"), "container_path": "/out"}]}
-    path = bed.base / "exp.yaml"
+    path = bed.base / f"exp-{uuid.uuid4().hex[:6]}.yaml"
     path.write_text(yaml.safe_dump(conf))
     out = bed.det("experiment", "create", str(path), str(ctx)).stdout
-    exp_id = int(out.split("Created experiment ")[1].split()[0])
+    return int(out.split("Created experiment ")[1].split()[0])
+
+
+@pytest.fixture(scope="module")
+def trial(bed):
+    """One experiment of ``TRAIN`` with two slots per trial, run to its end."""
+    exp_id = _create(bed)
     state = bed.wait(exp_id)
     assert state == "COMPLETED", bed.pool.output()
     (t,) = [t for t in bed.master.state.trials.values() if t.experiment.id == exp_id]
@@ -275,6 +285,20 @@ def test_only_the_chief_reports_each_metric_once_and_the_one_checkpoint(bed, tri
     assert set(os.listdir(bed.base / "checkpoints")) - {bed.master.cluster_id} == {ckpt.uuid}
     saved = json.loads((bed.base / "checkpoints" / ckpt.uuid / "weights.json").read_text())
     assert saved == ranks[0]["weights"]
+
+
+def test_a_rank_that_fails_on_one_host_ends_the_trial_and_kills_the_container_on_the_other(bed):
+    """allocation.go:812-829: a container that exits with a failure crashes the allocation, which kills
+    the other containers (here one waiting on the other host); with max_restarts 0 the trial errors."""
+    started = time.monotonic()
+    exp_id = _create(bed, "FAIL_RANK=1")
+    assert bed.wait(exp_id, timeout=120) == "ERROR", bed.pool.output()
+    assert time.monotonic() - started < 90  # not the waiting rank's 600 s, nor the task timeout
+    (t,) = [t for t in bed.master.state.trials.values() if t.experiment.id == exp_id]
+    (alloc,) = [bed.master.state.allocs[a] for a in t.allocation_ids]
+    codes = {r.rank: r.exit_code for r in alloc.resources}
+    assert codes[1] not in (0, 137) and codes[0] == 137, codes  # the failed one; the killed one
+    assert not [m for m in bed.master.state.metrics if m.trial_id == t.id]
 
 
 def test_fitting_refuses_what_determined_refuses():
