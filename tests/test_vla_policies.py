@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import VENV_BIN, Lab
+from tests.lerobot_loop import lerobot_steps
 from tests.lerobot_writer import skip_without_lerobot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -176,10 +177,7 @@ def _lerobot_loop(root: Path, kind: str, total_steps: int = 10) -> tuple[list[fl
     """LeRobot's own loop, written out from its functions (``lerobot-train``'s order), on
     LeRobot's reader: make_policy_config -> make_policy -> make_pre_post_processors -> presets ->
     ``accelerator.prepare`` -> per batch: preprocessor, ``update_policy``."""
-    from accelerate import Accelerator
     from lerobot.policies.factory import make_policy, make_policy_config, make_pre_post_processors
-    from lerobot.scripts.lerobot_train import update_policy
-    from lerobot.utils.logging_utils import AverageMeter, MetricsTracker
     from lerobot.utils.random_utils import set_seed
 
     keys = {k: tuple(v) if isinstance(v, list) else v for k, v in SPECS[kind].items() if k != "name"}
@@ -188,21 +186,7 @@ def _lerobot_loop(root: Path, kind: str, total_steps: int = 10) -> tuple[list[fl
     dataset = _theirs(root, cfg)
     policy = make_policy(cfg, ds_meta=dataset.meta)
     preprocessor, _ = make_pre_post_processors(policy_cfg=cfg, dataset_stats=dataset.meta.stats)
-    optimizer_cfg, scheduler_cfg = cfg.get_optimizer_preset(), cfg.get_scheduler_preset()
-    optimizer = optimizer_cfg.build(policy.get_optim_params())
-    scheduler = scheduler_cfg.build(optimizer, total_steps) if scheduler_cfg is not None else None
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, cpu=True)
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    tracker = MetricsTracker(len(BATCHES[0]), dataset.num_frames, dataset.num_episodes,
-                             {"loss": AverageMeter("loss"), "grad_norm": AverageMeter("grdn"), "lr": AverageMeter("lr"),
-                              "update_s": AverageMeter("updt_s")}, accelerator=accelerator)
-    losses = []
-    for indices in BATCHES:
-        batch = preprocessor(_collate([dataset[i] for i in indices]))
-        tracker, _ = update_policy(tracker, policy, batch, optimizer, optimizer_cfg.grad_clip_norm,
-                                   accelerator=accelerator, lr_scheduler=scheduler)
-        losses.append(tracker.loss.val)
-    return losses, {k: v.detach().clone() for k, v in accelerator.unwrap_model(policy).state_dict().items()}
+    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, _collate, total_steps)
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))

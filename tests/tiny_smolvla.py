@@ -171,14 +171,13 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
     ``accelerator.prepare``, ``update_policy``) on LeRobot's reader."""
     import dataclasses
 
-    from accelerate import Accelerator
     from lerobot.configs.policies import PreTrainedConfig
     from lerobot.datasets.factory import resolve_delta_timestamps
     from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
     from lerobot.policies.factory import make_policy, make_pre_post_processors
-    from lerobot.scripts.lerobot_train import update_policy
-    from lerobot.utils.logging_utils import AverageMeter, MetricsTracker
     from lerobot.utils.random_utils import set_seed
+
+    from tests.lerobot_loop import lerobot_steps
 
     set_seed(SEED)
     keys = {k: v for k, v in FINE_TUNE.items() if k not in ("name", "pretrained", "rename_map")}
@@ -200,21 +199,7 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
         postprocessor_overrides={"unnormalizer_processor": {
             "stats": stats, "features": policy.config.output_features,
             "norm_map": policy.config.normalization_mapping}})
-    optimizer_cfg, scheduler_cfg = cfg.get_optimizer_preset(), cfg.get_scheduler_preset()
-    optimizer = optimizer_cfg.build(policy.get_optim_params())
-    scheduler = scheduler_cfg.build(optimizer, 10)
-    accelerator = Accelerator(step_scheduler_with_optimizer=False, cpu=True)
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    tracker = MetricsTracker(len(BATCHES[0]), dataset.num_frames, dataset.num_episodes,
-                             {"loss": AverageMeter("loss"), "grad_norm": AverageMeter("grdn"), "lr": AverageMeter("lr"),
-                              "update_s": AverageMeter("updt_s")}, accelerator=accelerator)
-    losses = []
-    for indices in BATCHES:
-        batch = preprocessor(_collate([dataset[i] for i in indices]))
-        tracker, _ = update_policy(tracker, policy, batch, optimizer, optimizer_cfg.grad_clip_norm,
-                                   accelerator=accelerator, lr_scheduler=scheduler)
-        losses.append(tracker.loss.val)
-    return losses, {k: v.detach().clone() for k, v in accelerator.unwrap_model(policy).state_dict().items()}
+    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, _collate, 10)
 
 
 def _det_lab_steps(root: Path) -> dict[str, Any]:
