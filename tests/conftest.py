@@ -58,8 +58,10 @@ _HOST_STATE = _host_state()
 # its own, and two slurmd on one machine share its cgroup tree.
 _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm", "test_slurm_run.py": "slurm",
                  "test_monitoring.py": "slurm", "test_slurm_accounting.py": "slurm",
-                 "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm",
-                 "test_multinode_slurm.py": "slurm"}
+                 "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm"}
+# Slurm files that may run beside those: the multi-host test bed's slurmd track processes without
+# cgroups (proctrack/linuxproc, task/none: tests/multihost.py), in namespaces of their own
+_SLURM_FILES = {*_SERIAL_FILES, "test_multinode_slurm.py"}
 
 
 # The suite by cost (``python -m pytest -m unit`` runs the fast part alone; docs/verified.md has its time):
@@ -81,14 +83,14 @@ UNIT_FILES = {
 def pytest_configure(config) -> None:
     for name, what in (("unit", "fast: no daemon, no training (-m unit runs these alone)"),
                        ("integration", "real servers, DVC, trainings, databases"),
-                       ("slurm", "starts a one-node Slurm cluster (these files share one xdist worker)")):
+                       ("slurm", "starts a Slurm cluster (the one-node ones share one xdist worker)")):
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
 def pytest_collection_modifyitems(config, items) -> None:
     for item in items:
         name = Path(str(item.fspath)).name
-        kind = "slurm" if name in _SERIAL_FILES else "unit" if name in UNIT_FILES else "integration"
+        kind = "slurm" if name in _SLURM_FILES else "unit" if name in UNIT_FILES else "integration"
         item.add_marker(kind)
 
 

@@ -281,7 +281,7 @@ def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, 
         assert _status_for_host(port, f"{socket.gethostname()}:{port}") == 200
         assert _status_for_host(port, "elsewhere.example:5000") == 403
         serve.send_signal(stop)  # conftest leaves SIGINT at its default in children, as in a terminal
-        out, err = serve.communicate(timeout=30)
+        out, err = serve.communicate(timeout=90)  # the server's own stop waits up to 30 s on its killed workers
         assert serve.returncode == 0 and err == "" and "Ctrl-C stops it" in out, out + err
         server_pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
         assert server_pids == []
@@ -310,7 +310,7 @@ def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
             assert serve.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         serve.send_signal(signal.SIGINT)  # the server process exists; it answers seconds later
-        out, err = serve.communicate(timeout=30)
+        out, err = serve.communicate(timeout=90)  # the server's own stop waits up to 30 s on its killed workers
         assert serve.returncode == 0 and err == "", out + err
         assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
     finally:
