@@ -214,6 +214,8 @@ def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_clus
         assert [set(body) for _, _, body in got] == [{"text", "username"}] * 2
         assert got[0][2]["text"] == f"det-lab watchdog: {w['message']}"
         assert got[1][2]["text"] == f"det-lab watchdog: {acted['message']}"
+        # the action's mail may land after its journal line: wait for it, not for a fixed time
+        wait_for(lambda: len(list((tmp_path / "mail").glob("*.eml"))) >= 2, 30)
         mails = [email.message_from_bytes(p.read_bytes(), policy=email.policy.default) for p in sorted((tmp_path / "mail").glob("*.eml"))]
         assert sorted(m["To"] for m in mails) == ["root@lab.example"] * 2
         assert sorted(m.get_content().strip() for m in mails) == sorted([w["message"], acted["message"]])
