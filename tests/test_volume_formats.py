@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import json
+import time
+import os
 import logging
 import shutil
 from pathlib import Path
@@ -65,6 +67,9 @@ def old(lab: Lab, tmp_path: Path):
     for path in (tmp_path / "v").rglob("*"):  # 0.1.0 wrote it at /tmp/vol010: nothing reads the host's /tmp
         if path.suffix in (".yaml", ".json", ".jsonl") and "/tmp/vol010" in (text := path.read_text()):
             path.write_text(text.replace("/tmp/vol010", str(tmp_path / "v")))
+    written = time.time() - 3 * 86400  # as old as 0.1.0's files, whenever the checkout was made
+    for path in (tmp_path / "v").rglob("*"):
+        os.utime(path, (written, written), follow_symlinks=False)
     root = tmp_path / "v" / "lab-data"
     lab.root = root
     lab.write_config()
