@@ -9,28 +9,16 @@ import subprocess
 import time
 from pathlib import Path
 
-import yaml
 
 from tests.conftest import VENV_BIN, Lab
 from tests.multihost import MultiHostCluster
-from tests.slurm_cluster import TINY
+from tests.slurm_cluster import TINY, tiny_config
+
+config_file = tiny_config  # the tiny VLA config with dotted keys changed (tests/slurm_cluster.py)
 
 #: env of the lab's commands, passed into the jobs (DET_LAB_*): a dead trainer's lock expires in 15 s
 #: (+10 s clock slop), and a stale copy checks its attempt every second
 FAST = {"DET_LAB_LOCK_LIFETIME": "15", "DET_LAB_FENCE_POLL": "1"}
-
-
-def config_file(lab: Lab, name: str, **changes) -> Path:
-    conf = yaml.safe_load((TINY / "const.yaml").read_text())
-    for key, value in changes.items():
-        node = conf
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    path = lab.config.parent / name
-    path.write_text(yaml.safe_dump(conf))
-    return path
 
 
 #: 80 batches, a checkpoint every 20, paced so that a node can be lost mid-run on a loaded machine

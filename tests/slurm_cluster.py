@@ -400,3 +400,19 @@ def make_slurm_lab(tmp: Path, mlflow_uri: str | None, cluster: SlurmCluster, roo
     lab = Lab(root=root, config=tmp / "lab.yaml", env=env)
     lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_uri} if mlflow_uri else {"backend": "none"})
     return lab
+
+
+def tiny_config(lab: Lab, name: str, **changes) -> Path:
+    """The tiny VLA config (:data:`TINY`) with dotted keys changed, written beside the lab's config."""
+    import yaml
+
+    conf = yaml.safe_load((TINY / "const.yaml").read_text())
+    for key, value in changes.items():
+        node = conf
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path = lab.config.parent / name
+    path.write_text(yaml.safe_dump(conf))
+    return path

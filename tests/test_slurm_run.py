@@ -13,13 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 from mlflow.tracking import MlflowClient
 
 from tests import torchvision_shim
 from tests.conftest import VENV_BIN, Lab
 from tests.lerobot_writer import skip_without_lerobot
-from tests.slurm_cluster import TINY, SlurmCluster, make_slurm_lab, slurm_cluster, slurm_volume  # noqa: F401 (fixtures)
+from tests.slurm_cluster import TINY, SlurmCluster, tiny_config, make_slurm_lab, slurm_cluster, slurm_volume  # noqa: F401 (fixtures)
 
 #: short runs: enough steps for a checkpoint, a validation and a requeue in between
 VLA_SETS = ["--set", "data.det_lab.max_length.batches=20", "--set", "min_validation_period.batches=10",
@@ -99,19 +98,6 @@ def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
     assert "report_validation_metrics(steps_completed=20" in tail
 
 
-def _tiny_config(lab: Lab, name: str, **changes) -> Path:
-    conf = yaml.safe_load((TINY / "const.yaml").read_text())
-    for key, value in changes.items():
-        node = conf
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    path = lab.config.parent / name
-    path.write_text(yaml.safe_dump(conf))
-    return path
-
-
 def _submit_waiting(lab: Lab, *args: str) -> tuple[subprocess.Popen, Path]:
     """``det-lab run <tiny> --slurm --wait`` in the background, once its run has a Slurm job: the process and
     the run's directory."""
@@ -144,7 +130,7 @@ def test_two_slots_train_one_run_as_two_ranks(slurm_lab, mlflow_server):
 
 
 def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
-    config = _tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
+    config = tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
     # the uninterrupted run trains beside the one that is requeued (the node has two GPUs)
     straight, straight_dir = _submit_waiting(slurm_lab, "--exp-config", str(config))
     waiting, run_dir = _submit_waiting(slurm_lab, "--exp-config", str(config))
@@ -187,7 +173,7 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab,
 def test_search_over_a_job_array_prunes_and_reports_the_best(slurm_lab):
     # seed 8: the per-task samplers draw lr 0.05, 0.05, 0.0005, 0.0005, so tasks 2 and 3 reach the
     # first rung (40 batches) after two good trials and ASHA stops them there
-    config = _tiny_config(slurm_lab, "tiny-search.yaml", **{
+    config = tiny_config(slurm_lab, "tiny-search.yaml", **{
         "hyperparameters.lr": {"type": "categorical", "vals": [0.0005, 0.05]},
         # paced so that a prune decision reaches the trial well before its next validation
         "hyperparameters.sleep_per_batch": 0.05,
@@ -291,7 +277,7 @@ def crashing_run(slurm_lab) -> Iterator[subprocess.Popen]:
 
 
 def test_cancel_stops_the_job_after_a_checkpoint(slurm_lab, crashing_run):
-    config = _tiny_config(slurm_lab, "tiny-slower.yaml", **{"hyperparameters.sleep_per_batch": 0.2})
+    config = tiny_config(slurm_lab, "tiny-slower.yaml", **{"hyperparameters.sleep_per_batch": 0.2})
     proc = slurm_lab.cli("run", str(TINY), "--slurm", "--exp-config", str(config), check=True)
     run_dir = run_named(slurm_lab, proc.stdout)
     wait_until(lambda: (run_dir / "metrics.jsonl").exists(), 120, "the trial to report")
