@@ -259,6 +259,45 @@ def test_a_bad_config_is_the_masters_one_line_error_and_registers_nothing(cluste
     assert "1 |" not in cluster.det("experiment", "list", "--all").stdout  # GetExperiments: none
 
 
+def test_more_slots_than_the_agents_have_is_refused_at_creation_as_0_38_1_refuses_it(tmp_path):
+    """experiment.go:117-128 newExperiment -> agent_resource_manager.go:527-557 ValidateResources:
+    ``is_single_node`` and no agent with that many slots is "request unfulfillable"
+    (resource_pool.go:568-593); more slots than the connected agents have together is refused while the
+    master's ``launch_error`` is on (its default, config.go:149), else created with the CLI's launch
+    warning (cli/experiment.py:218-219, common/api/_util.py:24-28) and left queued. One agent, 2 slots."""
+    c = Cluster(tmp_path)
+    try:
+        def create(**resources: Any) -> subprocess.CompletedProcess[str]:
+            path = c.base / f"exp-{uuid.uuid4().hex[:6]}.yaml"
+            path.write_text(yaml.safe_dump(config(resources=resources)))
+            return c.det("experiment", "create", str(path), str(c.context), check=False)
+
+        refused = {
+            "failed to create experiment: slots requested exceeds cluster capacity": create(slots_per_trial=3),
+            "failed to create experiment: validating resources: request unfulfillable, please try requesting "
+            "less slots": create(slots_per_trial=3, is_single_node=True)}
+        for message, proc in refused.items():
+            assert proc.returncode == 1 and proc.stderr.strip().splitlines()[-1] == f"Failed to create experiment: "\
+                f"{message}", proc.stderr
+        assert c.master.state.experiments == {}
+        assert create(slots_per_trial=2, is_single_node=True).returncode == 0  # the one agent has 2
+    finally:
+        c.close()
+    (tmp_path / "no-launch-error").mkdir()
+    c = Cluster(tmp_path / "no-launch-error")
+    c.master.config["launch_error"] = False
+    try:
+        path = c.base / "big.yaml"
+        path.write_text(yaml.safe_dump(config(resources={"slots_per_trial": 3})))
+        proc = c.det("experiment", "create", str(path), str(c.context))
+        assert "Warning: The requested job requires more slots than currently available." in proc.stderr
+        (exp,) = c.master.state.experiments.values()
+        time.sleep(1)  # the agent looks at the queue every 0.5 s: a trial it could start would have started
+        assert [a.state for a in c.master.state.allocs.values()] == ["PENDING"] and exp.state == "ACTIVE"
+    finally:
+        c.close()
+
+
 def test_a_fork_with_parent_id_reuses_the_context_and_trains_with_the_changed_hparam(cluster):
     """webui/react/src/services/apiConfig.ts:673-696 createExperiment {activate, config, parentId,
     projectId}; core_experiment.go:382-390: the parent's model definition is reused."""

@@ -41,6 +41,7 @@ class Agent:
     def __init__(self, master: Master, runner: Runner, *, slots: int = 1, agent_id: str = "det-lab-standin-agent") -> None:
         self.master, self.runner, self.agent_id = master, runner, agent_id
         self.free = list(range(slots))
+        master.state.agent_slots[agent_id] = slots  # connected: the master counts its slots from now on
         self.exits: list[TaskExit] = []
         self.running: dict[str, tuple[Alloc, threading.Thread]] = {}
         self._stop = threading.Event()
@@ -87,6 +88,7 @@ class Agent:
     def close(self, timeout: float = 30) -> None:
         """Stop taking work and kill what runs (SIGKILL, as the agent does when it shuts down)."""
         self._stop.set()
+        self.master.state.agent_slots.pop(self.agent_id, None)
         self.master.state.notify()
         for alloc, _ in list(self.running.values()):
             alloc.kill.set()

@@ -206,6 +206,8 @@ class AgentPool:
                  heterogeneous: bool = False) -> None:
         self.master, self.agents, self.fitting, self.heterogeneous = master, agents, fitting, heterogeneous
         self.exits: list[tuple[Resources, TaskExit]] = []
+        for a in agents:
+            master.state.agent_slots[a.agent_id] = a.slots
         self.threads: list[threading.Thread] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="det-standin-agents", daemon=True)
@@ -278,6 +280,8 @@ class AgentPool:
     def close(self, timeout: float = 30) -> None:
         """Stop taking work and kill what runs."""
         self._stop.set()
+        for a in self.agents:
+            self.master.state.agent_slots.pop(a.agent_id, None)
         self.master.state.notify()
         for alloc in list(self.master.state.allocs.values()):
             if alloc.resources and alloc.state != "TERMINATED":

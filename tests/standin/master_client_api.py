@@ -14,6 +14,7 @@ from typing import Any, Iterator
 from determined.common.api.authentication import salt_and_hash
 
 from tests.standin.master import VERSION, ApiError, Raw, Request, Route, Stream, route
+from tests.standin.capacity import validate_resources
 from tests.standin.master_config import ConfigError, pack_files, parse_create
 from tests.standin.master_state import TERMINAL, Experiment, Trial, User
 from tests.standin.master_views import (checkpoint_view, checkpoint_workload, experiment_view, metrics_report,
@@ -240,12 +241,18 @@ def create_experiment(req: Request) -> dict[str, Any]:
         if body.get("validateOnly"):
             return {"experiment": _zero_experiment(), "config": None}
         model_def = parent.model_def if parent is not None else pack_files(body.get("modelDefinition") or [])
+        res = config.get("resources") or {}
+        try:
+            warnings = validate_resources(req.master.config, state.agent_slots, int(res.get("slots_per_trial") or 0),
+                                          bool(res.get("is_single_node")))
+        except ValueError as exc:  # api_experiment.go:1672-1675
+            raise ApiError(13, f"failed to create experiment: {exc}") from exc
         try:
             exp = state.create_experiment(config, body.get("config") or "", model_def, req.user,
                                           parent_id or None, bool(body.get("activate")))
         except (ValueError, ImportError) as exc:  # api_experiment.go:1672-1675 (searcher.NewSearcher's error)
             raise ApiError(13, f"failed to create experiment: {exc}") from exc
-        return {"experiment": experiment_view(state, exp), "config": exp.config, "warnings": []}
+        return {"experiment": experiment_view(state, exp), "config": exp.config, "warnings": warnings}
 
 
 @route(ROUTES, "GET", "/api/v1/experiments")

@@ -163,6 +163,7 @@ class State:
         self.templates: dict[str, dict[str, Any]] = {}
         self.commands: dict[str, Any] = {}  # task id -> master_ntsc.Command
         self.pending: list[Alloc] = []
+        self.agent_slots: dict[str, int] = {}  # the connected agents' slots (agentrm agentService.list)
         self._ids: dict[str, int] = {}
         self.timers: list[threading.Timer] = []
 
