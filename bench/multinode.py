@@ -12,7 +12,7 @@ path; root only). Each repeat brings a bed up, then:
   until Slurm runs the job on the other node (slurm.conf ``SlurmdTimeout`` is 5 s on the bed);
 - **partition**: another run, its node's link cut (its processes run on with the volume); timed
   until the requeued copy runs on the other node, until the cut-off copy has stopped itself (the
-  fence, det_lab/trials/fence.py), and, after the link is healed, until the node is idle again;
+  fence, det_lab/runs/fence.py), and, after the link is healed, until the node is idle again;
 - the bed is torn down (timed).
 
 Tracking is off (this measures the scheduler and the fence). Prints the date, the machine and,

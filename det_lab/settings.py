@@ -129,7 +129,7 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_LAB_LOCAL_CACHE": EnvVar(_path, "set in cluster tasks: the agent's local-disk cache mounted into every "
                                   "task (`tasks.local_cache`; gsplat's CUDA build in torch_extensions/)"),
     "DET_LAB_ATTEMPT": EnvVar(_text, "set by the Slurm driver for its trial: <epoch>:<token> of the job start "
-                              "the trial belongs to (a stale copy writes nothing: trials/fence.py)"),
+                              "the trial belongs to (a stale copy writes nothing: runs/fence.py)"),
     "DET_LAB_FENCE_POLL": EnvVar(_positive(float), "seconds between a Slurm trial's checks that it is still "
                                  "its run's current attempt; default 5", "0"),
     "DET_LAB_SEARCHER_POLL": EnvVar(_positive(float), "seconds between a cluster trial's looks at whether "

@@ -76,7 +76,7 @@ class LabSession:
         self.record: RunRecord = record_for(VolumeLayout.from_settings(settings), identity.project,
                                             identity.run.key, identity.record_dir)
         self.dataset: PulledDataset | None = None
-        #: a scheduler's attempt of the run (Slurm): a stale copy writes nothing and stops (trials.fence)
+        #: a scheduler's attempt of the run (Slurm): a stale copy writes nothing and stops (runs.fence)
         self.fence = Fence.from_env(identity.record_dir)
         self.mirror: Mirror | NullMirror = NullMirror(identity.run)
         self.lineage: dict[str, Any] = {}
