@@ -12,7 +12,9 @@ Layout (``<n>`` is this process's id, so two sessions never share a name)::
 Each host is started as ``nsenter --net=<netns> unshare --uts --mount --propagation private`` (not
 ``ip netns exec``, which remounts /sys and hides /sys/fs/cgroup from slurmd: shared/notes/multihost.md)
 and then gets its own hostname, ``/etc/hosts`` naming every host, a private ``/tmp`` and ``/run``
-(tmpfs), and the lab volume bind-mounted at the same path as on the login node. The range is
+(tmpfs), and the lab volume at the same path as on the login node: bind-mounted, or (the
+``multihost_sshfs`` bed) an sshfs mount of host 0's SFTP server over the bridge, so that a node cut
+off loses its volume too, its writes held up in flight until the link heals. The range is
 black-holed in the root namespace before anything targets it, and the hosts have no route but
 their /24: no packet leaves the machine. One munged in the root namespace serves every host (its
 socket is a path). slurm.conf is :func:`det_lab.slurm.render.render_all` with
@@ -30,6 +32,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,14 +69,20 @@ MESSAGE_TIMEOUT = 4
 #: a host's script: its hostname, /etc/hosts, private /tmp and /run, the volume; then the command
 #: Software under /tmp (a CI clone and its venv) is bound into the new /tmp at the same path, as a
 #: machine's image would have it: the tmpfs is filled on a free mount point, then moved over /tmp.
-_HOST_SH = """h=$1; hosts=$2; data=$3; spare=$4; keep=$5; shift 5
+#: ``server`` (``addr:port``, a node of an sshfs bed) mounts the volume over the bridge instead of
+#: binding it; sshfs daemonizes and lives in this process's namespaces (kill_host ends it).
+_HOST_SH = """h=$1; hosts=$2; data=$3; spare=$4; keep=$5; server=$6; shift 6
 hostname "$h"
 mount --bind "$hosts" /etc/hosts
 mount -t tmpfs -o size=256m,mode=1777 dltmp "$spare"
 for k in $keep; do mkdir -p "$spare/${k#/tmp/}"; mount --bind "$k" "$spare/${k#/tmp/}"; done
 mount --move "$spare" /tmp
 mount -t tmpfs -o size=16m,mode=755 dlrun /run
-mount --bind "$data" "$data"
+if [ -n "$server" ]; then
+  sshfs -o "directport=${server##*:},allow_other,reconnect" "${server%:*}:$data" "$data" || exit 1
+else
+  mount --bind "$data" "$data"
+fi
 exec "$@"
 """
 #: what the hosts run: this Python's venv and the checkout (det_lab installed editable from it)
@@ -101,6 +110,8 @@ class MultiHostCluster(SlurmCluster):
     subnet: str = ""
     data_root: Path = Path()
     timings: dict[str, float] = field(default_factory=dict)
+    #: ``addr:port`` of the volume's SFTP server on host 0 when the nodes mount it with sshfs
+    volume_server: str = ""
 
     @property
     def nodes(self) -> list[Host]:
@@ -111,7 +122,8 @@ class MultiHostCluster(SlurmCluster):
         return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
                 "private", "--", "sh", "-c", _HOST_SH, "sh", host.name, str(self.dir / "etc" / "hosts"),
                 str(self.data_root), str(self.dir / "host-tmp"),
-                " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/")), *argv]
+                " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/")),
+                self.volume_server if host.index > 0 else "", *argv]
 
     def start_daemon(self, name: str) -> subprocess.Popen:
         argv, log = self.argvs[name]
@@ -213,8 +225,51 @@ def namespaces_refused() -> str | None:
     return None
 
 
-def start_bed(base: Path) -> MultiHostCluster:
-    """Bring the test bed up under ``base`` (see the module docstring); the caller tears it down."""
+#: Debian's SFTP server (openssh-sftp-server), what the sshfs bed's file server runs per connection
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+#: the longest a host's TCP waits between retransmissions (ms; net.ipv4.tcp_rto_max_ms, Linux 6.15+;
+#: default 120 s): a healed node's sshfs resends what the partition held up within a second or two
+TCP_RTO_MAX_MS = 1000
+
+
+def sshfs_refused() -> str | None:
+    """Why the sshfs volume cannot be built here (see :func:`start_bed`); None when it can."""
+    missing = [name for name, path in (("sshfs", shutil.which("sshfs")), ("socat", shutil.which("socat")),
+                                       ("sftp-server", SFTP_SERVER if Path(SFTP_SERVER).exists() else None))
+               if path is None]
+    if missing:
+        return (f"the sshfs test bed needs {', '.join(missing)} (apt: sshfs fuse3 openssh-sftp-server socat; "
+                "tests/setup.sh installs them)")
+    if not Path("/dev/fuse").exists():
+        return "the sshfs test bed needs FUSE: this kernel (or container) has no /dev/fuse"
+    return None
+
+
+def _start_volume_server(cluster: MultiHostCluster, ctl: Host) -> None:
+    """The volume's file server on host 0: socat hands each connection to an sftp-server on the
+    volume; the nodes mount it with sshfs (``_HOST_SH``), so a node cut off loses its volume too."""
+    for h in cluster.hosts:  # before any socket exists (a socket takes the value it is made with)
+        knob = "/proc/sys/net/ipv4/tcp_rto_max_ms"
+        subprocess.run(["nsenter", f"--net=/run/netns/{h.netns}", "sh", "-c",
+                        f"[ ! -w {knob} ] || echo {TCP_RTO_MAX_MS} > {knob}"], check=True)
+    port = free_port()
+    cluster.argvs["sftp"] = (["socat", f"TCP-LISTEN:{port},bind={ctl.addr},reuseaddr,fork",
+                              f"EXEC:{SFTP_SERVER}"], "sftp.out")
+    cluster.placement["sftp"] = ctl
+    cluster.start_daemon("sftp")
+
+    def listening() -> bool:
+        with contextlib.suppress(OSError), socket.create_connection((ctl.addr, port), timeout=1):
+            return True
+        return False
+
+    _wait(listening, 15, "the volume's SFTP server")
+    cluster.volume_server = f"{ctl.addr}:{port}"
+
+
+def start_bed(base: Path, volume: str = "bind") -> MultiHostCluster:
+    """Bring the test bed up under ``base`` (see the module docstring); the caller tears it down.
+    ``volume="sshfs"``: the nodes mount the volume from host 0 over the bridge (FUSE)."""
     t0 = time.monotonic()
     n = os.getpid()
     net = f"10.213.{n % 250}"
@@ -283,6 +338,8 @@ def start_bed(base: Path) -> MultiHostCluster:
         cluster.argvs["slurmdbd"] = ([_binary("slurmdbd"), "-D"], "slurmdbd.out")
         cluster.start_daemon("slurmdbd")
         cluster.wait_dbd(60)  # slurmctld refuses to start without it the first time
+        if volume == "sshfs":
+            _start_volume_server(cluster, ctl)
         cluster.argvs["slurmctld"] = ([_binary("slurmctld"), "-D", "-i"], "slurmctld.out")
         cluster.start_daemon("slurmctld")
         for h in hosts[1:]:
@@ -354,6 +411,19 @@ def multihost() -> Iterator[Bed]:
     """The test bed for one test module (see the module docstring), with a lab on its volume (the
     tiny regression data published) whose det-lab commands reach its Slurm, tracking to an MLflow
     server on the bridge's address (the hosts reach it there)."""
+    yield from _bed("bind")
+
+
+@pytest.fixture(scope="module")
+def multihost_sshfs() -> Iterator[Bed]:
+    """:func:`multihost` with the nodes' volume an sshfs mount served from host 0 over the bridge."""
+    refused = sshfs_refused()
+    if refused:
+        pytest.skip(refused)
+    yield from _bed("sshfs")
+
+
+def _bed(volume: str) -> Iterator[Bed]:
     missing = missing_binaries(BINARIES + ACCOUNTING_BINARIES)
     if missing:
         pytest.skip(f"the multi-host test bed needs Slurm, slurmdbd and MariaDB (missing {', '.join(missing)}): "
@@ -370,7 +440,7 @@ def multihost() -> Iterator[Bed]:
     try:
         with ThreadPoolExecutor(2) as pool:
             volume = pool.submit(lab_volume, base)
-            cluster = start_bed(base)
+            cluster = start_bed(base, volume)
             mlflow_port = free_port()
             lab = volume.result()
         mlflow = MlflowServer(base / "mlflow", mlflow_port, host=cluster.subnet.rsplit(".", 1)[0] + ".254")
