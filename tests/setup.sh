@@ -16,6 +16,10 @@ DEBIAN_PACKAGES=(
   prometheus      # prometheus + promtool: monitoring tests
   postgresql      # a real PostgreSQL standing in for the Determined master's (cluster backups)
   bubblewrap      # bwrap: the Determined trial container's stand-in (tests/task_standin.py)
+  sshfs           # the multi-host test bed's network volume (tests/multihost.py, multihost_sshfs)
+  fuse3           # sshfs's FUSE
+  openssh-sftp-server  # the volume's file server there (/usr/lib/openssh/sftp-server)
+  socat           # which hands each connection to an sftp-server
 )
 # FFmpeg's shared libraries for torchcodec (LeRobot's and det_lab's video decoder); without their
 # recommends, which are codecs' hardware drivers the tests do not use
