@@ -9,9 +9,11 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+from mlflow.tracking import MlflowClient
 
 from tests.conftest import VENV_BIN, Lab
-from tests.multihost import MultiHostCluster
+from tests.multihost import Bed, MultiHostCluster
 from tests.slurm_cluster import TINY, tiny_config
 
 config_file = tiny_config  # the tiny VLA config with dotted keys changed (tests/slurm_cluster.py)
@@ -119,3 +121,52 @@ def ranks_on(cluster: MultiHostCluster, host) -> set[int]:
             ranks.add(int(env["RANK"]))
     return ranks
 
+
+def mlflow_steps(bed: Bed, run_dir: Path, key: str, expected: list[int], timeout: float = 120) -> list[int]:
+    """The steps MLflow holds for ``key`` once delivery caught up (or the timeout passed)."""
+    client = MlflowClient(bed.mlflow.uri)
+    run_id = None
+
+    def delivered():
+        nonlocal run_id
+        summary = json.loads((run_dir / "tracking-summary.json").read_text())
+        run_id = summary["backends"][0]["run_id"]
+        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
+        return steps if sorted(set(steps)) == expected else None
+
+    try:
+        return wait_for(delivered, timeout, f"MLflow to hold every {key}", poll=1)
+    except AssertionError:
+        return sorted(m.step for m in client.get_metric_history(run_id, key)) if run_id else []
+
+
+def job_checkpoints(ckpts: Path, job_id: str) -> dict[str, dict]:
+    """The checkpoints under ``ckpts`` that Slurm job ``job_id`` wrote (uuid -> metadata.json)."""
+    out = {}
+    for p in ckpts.iterdir():
+        try:
+            meta = json.loads((p / "metadata.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if meta.get("det_lab", {}).get("slurm_job_id") == job_id:
+            out[p.name] = meta
+    return out
+
+
+def check_run(bed: Bed, run_dir: Path, straight_dir: Path) -> dict:
+    """What every scenario must end with: finished at 80 in one run record, checkpoints in step order
+    with the pointer on the last, every metric once, the losses of the uninterrupted run, each step
+    once in MLflow."""
+    st = state(run_dir)
+    assert st["status"] == "finished" and st["latest_checkpoint_step"] == 80, st
+    steps = [c["step"] for c in st["checkpoints"]]
+    assert steps == sorted(set(steps)) and st["latest_checkpoint"] == st["checkpoints"][-1]["uuid"], steps
+    seen = [(m["group"], k, m["step"]) for m in metrics(run_dir) for k in m["metrics"]]
+    assert len(seen) == len(set(seen)), "a metric recorded twice"
+    for group, key in (("training", "loss"), ("validation", "val_loss")):
+        expected, got = losses(straight_dir, group, key), losses(run_dir, group, key)
+        assert sorted(got) == sorted(expected)
+        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    expected = sorted(losses(straight_dir, "training", "loss"))
+    assert mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
+    return st

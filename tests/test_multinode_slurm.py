@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-from mlflow.tracking import MlflowClient
 
 from det_lab.monitoring.exporter import DEFAULT_PORT
 from det_lab.tracking.mlflow_server import free_port
@@ -40,43 +39,6 @@ from tests.test_monitoring_nvml import build_shim
 def bed(multihost: Bed) -> Bed:  # noqa: F811 (the fixture imported above)
     multihost.lab.env.update(mn.FAST)
     return multihost
-
-
-def _mlflow_steps(bed: Bed, run_dir: Path, key: str, expected: list[int], timeout: float = 120) -> list[int]:
-    """The steps MLflow holds for ``key`` once delivery caught up (or the timeout passed)."""
-    client = MlflowClient(bed.mlflow.uri)
-    run_id = None
-
-    def delivered():
-        nonlocal run_id
-        summary = json.loads((run_dir / "tracking-summary.json").read_text())
-        run_id = summary["backends"][0]["run_id"]
-        steps = sorted(m.step for m in client.get_metric_history(run_id, key))
-        return steps if sorted(set(steps)) == expected else None
-
-    try:
-        return mn.wait_for(delivered, timeout, f"MLflow to hold every {key}", poll=1)
-    except AssertionError:
-        return sorted(m.step for m in client.get_metric_history(run_id, key)) if run_id else []
-
-
-def _check_run(bed: Bed, run_dir: Path, straight_dir: Path) -> dict:
-    """What both scenarios must end with: finished at 80 in one run record, checkpoints in step order
-    with the pointer on the last, every metric once, the losses of the uninterrupted run, each step
-    once in MLflow."""
-    st = mn.state(run_dir)
-    assert st["status"] == "finished" and st["latest_checkpoint_step"] == 80, st
-    steps = [c["step"] for c in st["checkpoints"]]
-    assert steps == sorted(set(steps)) and st["latest_checkpoint"] == st["checkpoints"][-1]["uuid"], steps
-    seen = [(m["group"], k, m["step"]) for m in mn.metrics(run_dir) for k in m["metrics"]]
-    assert len(seen) == len(set(seen)), "a metric recorded twice"
-    for group, key in (("training", "loss"), ("validation", "val_loss")):
-        expected, got = mn.losses(straight_dir, group, key), mn.losses(run_dir, group, key)
-        assert sorted(got) == sorted(expected)
-        assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
-    expected = sorted(mn.losses(straight_dir, "training", "loss"))
-    assert _mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
-    return st
 
 
 def test_the_test_bed_is_three_hosts_with_one_volume(bed: Bed):
@@ -116,7 +78,7 @@ def test_a_killed_node_s_run_resumes_elsewhere_with_the_losses_of_an_uninterrupt
     assert straight.returncode == 0, straight_out
     straight_dir = mn.local_run(lab, config)
 
-    st = _check_run(bed, run_dir, straight_dir)
+    st = mn.check_run(bed, run_dir, straight_dir)
     first, second = st["slurm"]["attempts"]
     assert (first["node"], first["restart"], second["restart"]) == (node, 0, 1) and second["node"] != node
     assert "ended" not in first and second["moved_from"] == node
@@ -165,7 +127,7 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
     assert straight.returncode == 0, straight_out
     straight_dir = mn.local_run(lab, config)
 
-    st = _check_run(bed, run_dir, straight_dir)
+    st = mn.check_run(bed, run_dir, straight_dir)
     assert len(st["slurm"]["attempts"]) == 2, "the cut-off copy finished before the requeued one started"
     first, second = st["slurm"]["attempts"]
     assert first["node"] == node and second["node"] != node and (first["epoch"], second["epoch"]) == (1, 2)
@@ -178,9 +140,7 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
     # were all complete before the second attempt started
     ckpts = lab.root / "checkpoints" / "vla"
     mine = {c_["uuid"] for c_ in st["checkpoints"]}
-    written = {p.name: json.loads((p / "metadata.json").read_text()) for p in ckpts.iterdir()
-               if (p / "metadata.json").exists() and json.loads((p / "metadata.json").read_text())
-               .get("det_lab", {}).get("slurm_job_id") == job_id}
+    written = mn.job_checkpoints(ckpts, job_id)
     assert set(written) <= mine | {d["uuid"] for d in st.get("checkpoints_deleted", [])}, set(written) - mine
     by_old = sorted(m["steps_completed"] for m in written.values() if m["det_lab"].get("slurm_node") == node)
     by_new = sorted(m["steps_completed"] for m in written.values() if m["det_lab"].get("slurm_node") != node)
@@ -228,7 +188,7 @@ def test_two_nodes_train_to_the_losses_of_one_node_with_the_same_global_batch(be
     seen = [(m["group"], k, m["step"]) for m in mn.metrics(run_dir) for k in m["metrics"]]
     assert len(seen) == len(set(seen)), "a metric recorded twice"
     expected = sorted(mn.losses(straight_dir, "training", "loss"))
-    assert _mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
+    assert mn.mlflow_steps(bed, run_dir, "training/loss", expected) == expected  # each step once
     # written once, by the chief: two checkpoints in the record, no other checkpoint of the job on the volume
     assert [c_["step"] for c_ in st["checkpoints"]] == [40, 80] and st["latest_checkpoint_step"] == 80
     ckpts = lab.root / "checkpoints" / "vla"
