@@ -321,6 +321,24 @@ def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
             os.kill(int(pid), signal.SIGKILL)
 
 
+def test_a_port_chosen_for_a_server_is_out_of_reach_of_outgoing_connections():
+    """free_port's port is free, and outside the range the kernel gives outgoing connections their
+    local ports from (so none takes it in the seconds before ``mlflow server`` binds it: six tests
+    of one CI run lost their server that way) and clear of torch.distributed's default ports."""
+    from det_lab.tracking.mlflow_server import free_port, port_in_use
+
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = [free_port() for _ in range(300)]
+    assert all(p < low for p in ports) and not any(29400 <= p < 29600 for p in ports)
+    assert len(set(ports)) > 250  # spread out: two workers choosing at once rarely meet
+    with socket.socket() as out:  # an outgoing connection's local port: the range the kernel hands out
+        listener = socket.create_server(("127.0.0.1", ports[0]))
+        out.connect(("127.0.0.1", ports[0]))
+        assert low <= out.getsockname()[1] <= high
+        listener.close()
+    assert not port_in_use("127.0.0.1", free_port())
+
+
 def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
     # Aim closes its storage in an exit handler that waits without a bound for a cleanup thread;
     # a sender stuck there would hold its journal's lock for ever (seen with a vanished repo)

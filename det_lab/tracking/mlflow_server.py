@@ -5,6 +5,7 @@ bound to one address, killed with its workers as one process group."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -22,7 +23,30 @@ class MlflowServerError(UserError, RuntimeError):
     """An MLflow server that exited or did not answer while it started; the message names its log."""
 
 
+#: ports :func:`free_port` chooses from lie below the kernel's ephemeral range, this many of them
+_PORT_SPAN = 12000
+#: torch.distributed's default ports (static rendezvous 29500, det_lab's RENDEZVOUS_PORT; c10d 29400)
+_KEEP_CLEAR = range(29400, 29600)
+_pick = random.SystemRandom()  # not the random module's state, which a test may seed alike in two processes
+
+
+def _ephemeral_low(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> int:
+    try:
+        return int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now, for a server started a moment later. Chosen at random
+    below the kernel's ephemeral range: a port from ``bind(0)`` comes from that range, where any
+    outgoing connection may take it before the server binds it (seen: six tests lost their MLflow
+    server to "address already in use" on a busy machine)."""
+    low = _ephemeral_low()
+    for _ in range(200):
+        port = _pick.randrange(max(1024, low - _PORT_SPAN), low)
+        if port not in _KEEP_CLEAR and not port_in_use(host, port):
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
