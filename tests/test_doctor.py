@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -179,15 +178,11 @@ def test_gpu_report_names_who_holds_each_gpu_and_flags_sharing():
     assert gpu.status == "pass"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_master_check(lab):
     init(lab)
-    port = _free_port()
+    from det_lab.tracking.mlflow_server import free_port
+
+    port = free_port()
     lab.write_config(master_url=f"http://127.0.0.1:{port}")
     rc, report = doctor_json(lab)
     assert rc == 1 and by_name(report)["master"]["status"] == "fail"
