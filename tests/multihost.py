@@ -439,10 +439,10 @@ def _bed(volume: str) -> Iterator[Bed]:
     cluster = None
     try:
         with ThreadPoolExecutor(2) as pool:
-            volume = pool.submit(lab_volume, base)
+            made = pool.submit(lab_volume, base)
             cluster = start_bed(base, volume)
             mlflow_port = free_port()
-            lab = volume.result()
+            lab = made.result()
         mlflow = MlflowServer(base / "mlflow", mlflow_port, host=cluster.subnet.rsplit(".", 1)[0] + ".254")
         (base / "mlflow").mkdir()
         mlflow.start()
