@@ -25,6 +25,7 @@ from det_lab.gpus.leases import HEARTBEAT_S, Held, HostBook, host_name, shared_d
 from det_lab.gpus.queue import GpusError, Rules, lab_rules, plan
 from det_lab.settings import LabSettings
 from det_lab.runs.record import WAIT_KEY, LocalRunRecord
+from det_lab.runs.run_guard import lock_lifetime_s
 
 #: set in a Slurm job's and a Determined task's environment: their GPUs are given, not leased here
 SCHEDULED_ENV = ("SLURM_JOB_ID", "DET_TASK_ID")
@@ -69,6 +70,7 @@ class LocalClaim:
         self.pending: dict[str, Any] | None = None  # the queue entry to wait with, when the GPUs were not free
         self.cpu_env: dict[str, str] = {}
         self._stop = threading.Event()
+        self._beats: threading.Thread | None = None
 
     # -- before the run exists -------------------------------------------------------------
     def check(self, conf: dict[str, Any], run: str, template: str) -> None:
@@ -141,6 +143,9 @@ class LocalClaim:
             except OSError as exc:
                 raise GpusError(f"cannot journal the GPU lease on the volume ({exc}); is {self.settings.data_root} "
                                 f"mounted and writable?") from None
+            # beating on the volume from now (its own thread: a volume that hangs must not stop the local heartbeat)
+            self._beats = threading.Thread(target=self._volume_heartbeat, name="det-lab-gpu-lease-volume", daemon=True)
+            self._beats.start()
             if enqueued:
                 (self.book.queue_dir / f"{entry['entry']}.json").unlink(missing_ok=True)
             return None
@@ -188,6 +193,15 @@ class LocalClaim:
             except OSError:
                 pass
 
+    def _volume_heartbeat(self) -> None:
+        """Beat on the volume every third of the lock lifetime, so other machines see the holder lives."""
+        held, period = self.held, lock_lifetime_s() / 3
+        while held is not None and not self._stop.wait(period):
+            try:
+                journal.beat(self.settings, held.id)
+            except OSError:
+                pass
+
     def gpus_words(self) -> str:
         """The GPUs held, for the run's first lines ('' for none)."""
         if self.held is None:
@@ -198,6 +212,8 @@ class LocalClaim:
 
     def release(self) -> None:
         self._stop.set()
+        if self._beats is not None:
+            self._beats.join(timeout=5)  # its last beat lands before the end, not after
         if self.held is not None:
             self.book.release(self.settings, self.held)
             self.held = None

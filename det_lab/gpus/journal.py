@@ -6,19 +6,34 @@ the lines of one machine). A lease's start names its host, GPUs, user, run, proj
 holder pid; its end says when and how (``released`` by its holder, or ``holder gone``: found dead,
 ended at its last heartbeat). A lease with a start and no end is still held, or on another machine
 whose holder died and that nobody there has looked at since.
+
+Beside it, ``<data root>/.det-lab/gpus/live/<lease>``: an empty file per lease held, created with the
+lease and touched by its holder every third of ``$DET_LAB_LOCK_LIFETIME`` (60 s by default, the
+volume locks' lifetime), removed when the lease ends. Other machines cannot check a holder's pid;
+they read this heartbeat instead: a lease whose file was not touched for a whole lifetime is
+**silent** (its holder was killed, or its host is down or cut off) and counts as ended at its last
+heartbeat (:func:`read_records` says so with ``how`` :data:`SILENT`; nothing is written: should the
+holder beat again, the lease is held again). A lease without the file (journaled by an older
+det_lab) is shown as its journal says. Clocks are compared across machines: keep them in step
+(NTP; munge, which Slurm needs, requires it too).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from det_lab.ondisk import FORMAT_KEY, GPU_LEASE_JOURNAL, check, stamp
+from det_lab.runs.run_guard import lock_lifetime_s
 from det_lab.settings import LabSettings
 from det_lab.volume import VolumeLayout
+
+#: ``how`` of a lease that was not ended but whose holder stopped beating on the volume
+SILENT = "silent"
 
 
 def journal_dir(settings: LabSettings) -> Path:
@@ -41,6 +56,7 @@ class LeaseRecord:
     since: float  # epoch seconds
     end: float | None = None
     how: str | None = None
+    heartbeat: float | None = None  # its holder's last beat on the volume (None: it has no heartbeat file)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def seconds(self, now: float) -> float:
@@ -116,7 +132,63 @@ def read_records(settings: LabSettings) -> list[LeaseRecord]:
     for lease, (at, how) in ends.items():
         if lease in starts:
             starts[lease].end, starts[lease].how = at, how
+    open_ = [r for r in starts.values() if r.end is None]
+    if open_:
+        beats = read_beats(settings, [r.lease for r in open_])
+        now, lifetime = time.time(), lock_lifetime_s()
+        for r in open_:
+            r.heartbeat = beats.get(r.lease)
+            if r.heartbeat is not None and now - r.heartbeat > lifetime:
+                r.end, r.how = max(r.heartbeat, r.since), SILENT
     return sorted(starts.values(), key=lambda r: (r.since, r.lease))
+
+
+def beat_dir(settings: LabSettings) -> Path:
+    """Where the holders of leases beat (see the module's docstring)."""
+    return journal_dir(settings).parent / "live"
+
+
+def beat(settings: LabSettings, lease: str) -> None:
+    """Lease ``lease``'s holder is alive now (its heartbeat file made or touched; OSError when the volume
+    cannot take it)."""
+    path = beat_dir(settings) / lease
+    try:
+        os.utime(path)  # on NFS: the server's time
+        return
+    except FileNotFoundError:
+        pass
+    if not path.parent.is_dir():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            path.parent.chmod(0o2775)
+        except PermissionError:
+            pass
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o664))
+
+
+def end_beat(settings: LabSettings, lease: str) -> None:
+    """Lease ``lease`` ended (journaled): its heartbeat file removed, where this user may."""
+    try:
+        (beat_dir(settings) / lease).unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+def read_beats(settings: LabSettings, leases: list[str]) -> dict[str, float]:
+    """The last heartbeat of each of ``leases`` that has a heartbeat file. The file is opened before its
+    time is read: an NFS client then asks the server (close-to-open), not its attribute cache."""
+    folder = beat_dir(settings)
+    out: dict[str, float] = {}
+    for lease in leases:
+        try:
+            fd = os.open(folder / lease, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            out[lease] = os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+    return out
 
 
 def recent_gpu_hours(records: list[LeaseRecord], now: float, half_life_s: float) -> dict[str, float]:

@@ -9,6 +9,8 @@ holder that exits, is killed with -9, is a zombie or lost a reboot holds nothing
 Its file, left behind, is journaled as ended at its last heartbeat and removed by the next reader
 that holds the lock. The directories are writable by every user (not sticky): any member's run
 clears a dead holder's files. This is cooperation between members, not a security boundary.
+Other machines see a lease through the journal and its holder's heartbeat on the volume
+(:mod:`det_lab.gpus.journal`).
 """
 
 from __future__ import annotations
@@ -196,6 +198,7 @@ class HostBook:
                                                                               "holder gone"))
             except OSError:
                 continue  # the volume is away: journaled by a later reader
+            journal.end_beat(settings, d.id)
             d.path.unlink(missing_ok=True)
         return live
 
@@ -208,6 +211,10 @@ class HostBook:
                 "holder": holder.as_dict(), "since": time.time()}
         held = Held(shared_dir(self.lease_dir) / f"{lease_id}.json", data, holder)
         journal.append(settings, data["host"], data["user"], journal.start_event(held.record()))
+        try:
+            journal.beat(settings, lease_id)
+        except OSError:
+            pass  # other machines show it as its journal says until the holder's next beat
         write_json(held.path, data)
         return held
 
@@ -219,6 +226,7 @@ class HostBook:
                 journal.append(settings, held.data["host"], _me(), journal.end_event(held.id, time.time(), how))
             except OSError:
                 return  # kept: once this process ends, the next reader journals its end at the last heartbeat
+            journal.end_beat(settings, held.id)
             held.path.unlink(missing_ok=True)
 
 
@@ -230,7 +238,8 @@ def _me() -> str:
 
 def active_leases(settings: LabSettings) -> list[Lease]:
     """Every GPU held now: this machine's leases whose holders live (checked), and the leases other
-    machines journaled on the volume without an end (``checked`` False: not verifiable from here)."""
+    machines journaled on the volume without an end whose holders still beat there, or have no
+    heartbeat file (``checked`` False: their pids are not verifiable from here)."""
     live, _ = HostBook().leases()
     out = [lease for h in live for lease in h.leases()]
     here = host_name()

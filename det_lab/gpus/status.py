@@ -1,4 +1,5 @@
-"""What ``det-lab gpus`` and ``det-lab runs list|cancel`` show of the GPUs: holders, the line, a waiting run."""
+"""What ``det-lab gpus`` and ``det-lab runs list|cancel`` show of the GPUs: holders (this machine's and,
+from the volume, every other machine's), the line, a waiting run."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ from det_lab.gpus.leases import Held, HostBook, host_name
 from det_lab.gpus.queue import GpusError, lab_rules, plan
 from det_lab.settings import LabSettings
 
+#: a silent lease is listed this long after its last heartbeat (a machine that never came back
+#: leaves its leases unended in the journal: they are not listed for ever)
+SHOW_SILENT_S = 24 * 3600.0
+
 
 def _lease_holder(held: Held) -> dict[str, Any]:
     d = held.data
@@ -21,9 +26,21 @@ def _lease_holder(held: Held) -> dict[str, Any]:
             "template": d.get("template", ""), "since": float(d["since"]), "pid": held.holder.pid, "lease": d["lease"]}
 
 
+def _journaled(r: journal.LeaseRecord) -> dict[str, Any]:
+    """Another machine's lease as the volume tells it (``heartbeat``: its holder's last beat, where it beats)."""
+    out: dict[str, Any] = {"host": r.host, "gpus": [i for i, _ in r.gpus], "user": r.user, "run": r.run,
+                           "since": r.since, "lease": r.lease}
+    if r.heartbeat is not None:
+        out["heartbeat"] = r.heartbeat
+    return out
+
+
 def gpus_status(settings: LabSettings) -> dict[str, Any]:
     """Each GPU of this machine (holder: a lease's user, run and since when, or the processes outside
-    det_lab on it; memory, utilisation), the leases other machines journaled, and the line of waiting runs."""
+    det_lab on it; memory, utilisation); the leases other machines hold (``other_hosts``: journaled
+    without an end, their holders beating on the volume or without a heartbeat file) and those whose
+    holders went silent in the last day (``silent``: killed, or their host down or cut off; not held);
+    and the line of waiting runs."""
     book = HostBook()
     try:
         readings = nvml.read_gpus()
@@ -42,8 +59,10 @@ def gpus_status(settings: LabSettings) -> dict[str, Any]:
         gpus.append({"host": here, "index": r.index, "uuid": r.uuid, "name": r.name, "memory_used": r.memory_used,
                      "memory_total": r.memory_total, "utilization": r.utilization, "holder": holder})
     records = journal.read_records(settings)
-    elsewhere = [{"host": r.host, "gpus": [i for i, _ in r.gpus], "user": r.user, "run": r.run, "since": r.since,
-                  "lease": r.lease} for r in records if r.end is None and r.host != here]
+    now = time.time()
+    elsewhere = [_journaled(r) for r in records if r.end is None and r.host != here]
+    silent = [{**_journaled(r), "silent_since": r.end} for r in records
+              if r.how == journal.SILENT and r.host != here and now - float(r.end or 0) < SHOW_SILENT_S]
     entries = [h.data for h in book.queue()]
     line: list[dict[str, Any]] = []
     if entries:
@@ -55,8 +74,7 @@ def gpus_status(settings: LabSettings) -> dict[str, Any]:
             line.append({"position": pos, "run": e["run"], "user": e["user"], "gpus": e["slots"], "picks": e.get("picks"),
                          "since": e["enqueued"], "pid": int(e["holder"]["pid"]),
                          "waiting": e.get("words") or step.reasons.get(eid, "starting")})
-    now = time.time()
-    return {"host": here, "gpus": gpus, "other_hosts": elsewhere, "queue": line,
+    return {"host": here, "gpus": gpus, "other_hosts": elsewhere, "silent": silent, "queue": line,
             "oldest_wait_s": max((now - q["since"] for q in line), default=0.0)}
 
 
