@@ -43,6 +43,14 @@ class Holder:
     run_dir: str = ""  # a det_lab run's directory
     task_type: str = ""  # a Determined task's DET_TASK_TYPE (NOTEBOOK, SHELL, TRIAL, ...)
     pids: tuple[int, ...] = field(default=(), compare=False)
+    #: a Slurm job's GPUs on each of its nodes, in Slurm's order (its first node first), when it has
+    #: GPUs on more than one node: the job's watchdog-wide decision is the first node's
+    nodes: tuple[tuple[str, tuple[int, ...]], ...] = ()
+
+    @property
+    def first_node(self) -> str:
+        """The node whose watchdog judges a job on several nodes ('' for a holder of one machine)."""
+        return self.nodes[0][0] if self.nodes else ""
 
     @property
     def aliases(self) -> set[str]:
@@ -97,28 +105,42 @@ def parse_scontrol_jobs(text: str, node: str) -> list[Holder]:
         fields = dict(m.groups() for m in re.finditer(r"(\w+(?::\w+)?)=(\S*)", line))
         if fields.get("JobState") != "RUNNING":
             continue
-        gpus: list[int] = []
-        # one-line form: "Nodes=n1 CPU_IDs=0-1 Mem=0 GRES=gpu:1(IDX:0)" per node
+        per_node: dict[str, set[int]] = {}
+        # one-line form: "Nodes=n1 CPU_IDs=0-1 Mem=0 GRES=gpu:1(IDX:0)" per group of nodes alike
         for m in re.finditer(r"\bNodes=(\S+) CPU_IDs=\S+ Mem=\S+ GRES=(\S*)", line):
-            if m.group(1) == node or node in _expand_nodes(m.group(1)):
-                for idx in _IDX.findall(m.group(2)):
-                    gpus.extend(_indices(idx))
+            idx = [i for text in _IDX.findall(m.group(2)) for i in _indices(text)]
+            for name in expand_nodes(m.group(1)):
+                if idx:
+                    per_node.setdefault(name, set()).update(idx)
+        gpus = sorted(per_node.get(node, ()))
         if not gpus:
             continue
+        order = expand_nodes(fields.get("NodeList", ""))
+        names = sorted(per_node, key=lambda n: (order.index(n) if n in order else len(order), n))
+        nodes = tuple((n, tuple(sorted(per_node[n]))) for n in names) if len(names) > 1 else ()
         user = fields.get("UserId", "").split("(")[0]
         job_id = fields.get("JobId", "")
         out.append(Holder(key=f"slurm:{job_id}", kind="slurm", user=user, name=fields.get("JobName", ""),
                           gpus=tuple(sorted(set(gpus))), partition=fields.get("Partition", ""),
-                          interactive=fields.get("BatchFlag") == "0", job_id=job_id))
+                          interactive=fields.get("BatchFlag") == "0", job_id=job_id, nodes=nodes))
     return out
 
 
-def _expand_nodes(text: str) -> set[str]:
-    """A hostlist such as ``n[1-3,5]`` (single bracket), as a set of names."""
-    m = re.fullmatch(r"([^\[]*)\[([0-9,-]+)\](.*)", text)
-    if not m:
-        return set(text.split(","))
-    return {f"{m.group(1)}{i}{m.group(3)}" for i in _indices(m.group(2))}
+def expand_nodes(text: str) -> list[str]:
+    """A Slurm hostlist such as ``n[1-3,5],gpu7`` (one bracket a name), as names in its order (a
+    zero-padded range keeps its width: ``n[01-02]``)."""
+    out: list[str] = []
+    for part in re.findall(r"[^,\[]*(?:\[[^\]]*\])?[^,\[]*", text):
+        m = re.fullmatch(r"([^\[]*)\[([0-9,-]+)\](.*)", part)
+        if not m:
+            if part:
+                out.append(part)
+            continue
+        for piece in m.group(2).split(","):
+            lo, _, hi = piece.partition("-")
+            if lo.isdigit() and (hi or lo).isdigit():
+                out.extend(f"{m.group(1)}{i:0{len(lo)}d}{m.group(3)}" for i in range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 #: where scontrol finds slurm.conf without SLURM_CONF (a configless node keeps slurmd's copy in /run)

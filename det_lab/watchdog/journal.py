@@ -6,8 +6,10 @@ episode (warned, acted, cleared) is written once: the watchdog reads the journal
 writes, so a watchdog restarted mid-grace neither warns again nor acts twice, and its deadline is
 the one the first warning gave. A snooze ends the episode: after it, an idle holder is warned anew.
 
-Beside it, per machine: ``samples-<host>.json`` (the windows, so a restart keeps them) and
-``idle-<host>.json`` (idle GPU-seconds per user and day, for ``det-lab usage``).
+Beside it, per machine: ``samples-<node>.json`` (the windows, so a restart keeps them, and the
+watchdog of a multi-node job's first node judges it on every node's; ``<node>``: the machine's
+Slurm node name, its host name by default) and ``idle-<host>.json`` (idle GPU-seconds per user and
+day, for ``det-lab usage``).
 """
 
 from __future__ import annotations
@@ -107,21 +109,14 @@ class WatchdogJournal:
 class MachineState:
     """One machine's samples and idle GPU-seconds, kept on the volume between passes and restarts."""
 
-    def __init__(self, data_root: Path, host: str) -> None:
+    def __init__(self, data_root: Path, host: str, node: str | None = None) -> None:
         base = watchdog_dir(data_root)
-        self.samples_file = base / f"samples-{host}.json"
+        self.samples_file = samples_file(data_root, node or host)
         self.idle_file = base / f"idle-{host}.json"
 
     def load_samples(self) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
         """``{holder key: {gpu: [(time, util %, mem %)]}}`` as last saved ({} when none)."""
-        try:
-            raw = json.loads(self.samples_file.read_text())
-        except (OSError, ValueError):
-            return {}
-        try:
-            return {k: {int(g): [tuple(s) for s in v] for g, v in gpus.items()} for k, gpus in raw.items()}
-        except (AttributeError, TypeError, ValueError):
-            return {}
+        return _load_samples(self.samples_file)
 
     def save_samples(self, samples: dict[str, dict[int, list]]) -> None:
         self.samples_file.parent.mkdir(parents=True, exist_ok=True)
@@ -137,6 +132,26 @@ class MachineState:
             per_day[day] = per_day.get(day, 0.0) + seconds
         self.idle_file.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.idle_file, json.dumps(table, sort_keys=True) + "\n", 0o664)
+
+
+def samples_file(data_root: Path, node: str) -> Path:
+    return watchdog_dir(data_root) / f"samples-{node}.json"
+
+
+def read_samples(data_root: Path, node: str) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
+    """The samples the watchdog of ``node`` last saved ({} when none)."""
+    return _load_samples(samples_file(data_root, node))
+
+
+def _load_samples(path: Path) -> dict[str, dict[int, list[tuple[float, float, float]]]]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    try:
+        return {k: {int(g): [tuple(s) for s in v] for g, v in gpus.items()} for k, gpus in raw.items()}
+    except (AttributeError, TypeError, ValueError):
+        return {}
 
 
 def read_idle(path: Path) -> dict[str, dict[str, float]]:

@@ -4,7 +4,10 @@ Each pass reads the GPUs (:mod:`det_lab.nvml`) and their holders, adds a sample 
 window and judges it (:mod:`det_lab.watchdog.window`). An idle holder is warned (journal, webhook,
 mail, its run's notice) with a deadline ``grace`` later; still idle at the deadline, it is acted on
 (:mod:`det_lab.watchdog.actions`). A holder that uses its GPU again before that is cleared. Exempt
-and snoozed holders are left alone. ``dry_run``: everything is judged and said, nothing is written,
+and snoozed holders are left alone. A Slurm job with GPUs on several nodes is judged by the watchdog
+of its first node alone, on every node's samples (each node's watchdog keeps its own on the
+volume): idle only when its GPUs are idle on every node, warned once, acted on once; while a node's
+samples are missing or old (its watchdog is not running) it is not judged. ``dry_run``: everything is judged and said, nothing is written,
 sent or stopped.
 """
 
@@ -22,11 +25,14 @@ from det_lab.settings import LabSettings
 from det_lab.slurm.record import JOB_SCRIPT
 from det_lab.watchdog import actions, notify
 from det_lab.watchdog.holders import Holder, discover
-from det_lab.watchdog.journal import HolderState, MachineState, WatchdogJournal
-from det_lab.watchdog.window import Verdict, judge, trim
+from det_lab.watchdog.journal import HolderState, MachineState, WatchdogJournal, read_samples
+from det_lab.watchdog.window import Sample, Verdict, judge, trim
 from det_lab.watchdog_settings import IdleRule
 
 log = logging.getLogger("det_lab.watchdog")
+#: another node's samples count while its newest is at most two intervals and this much old (each
+#: watchdog passes at its own moments, and an NFS client may see another's file late)
+REMOTE_SLACK_S = 60.0
 PAST = {"checkpoint and stop": "stopped (checkpointed, resumable)", "cancel": "cancelled", "kill": "killed"}
 
 
@@ -59,7 +65,7 @@ class Watchdog:
         self.read = read
         self.clock = clock
         self.journal = WatchdogJournal(settings.data_root)
-        self.machine = MachineState(settings.data_root, self.host)
+        self.machine = MachineState(settings.data_root, self.host, self.node)
         self.samples = self.machine.load_samples()
         self._last_pass: float | None = None
         self._job_runs: dict[str, Path | None] = {}
@@ -76,6 +82,7 @@ class Watchdog:
         states, self._snoozes = self.journal.states(entries), self.journal.snoozes(entries)
         elapsed = min(now - self._last_pass, 2 * self.wd.interval) if self._last_pass else self.wd.interval
         idle_seconds: dict[str, float] = {}
+        others: dict[str, dict[str, dict[int, list[Sample]]]] = {}  # other nodes' samples, read once a pass
         for h in holders:
             rule = self.wd.rule_for(h.partition)
             per_gpu = self.samples.setdefault(h.key, {})
@@ -88,7 +95,10 @@ class Watchdog:
                 per_gpu[g] = kept + [(now, r.utilization, mem)]
                 if r.utilization < rule.utilization_below and mem < rule.memory_below:
                     idle_seconds[h.user or "?"] = idle_seconds.get(h.user or "?", 0.0) + elapsed
-            verdict = judge(per_gpu, rule, now, self.wd.interval)
+            if h.nodes and h.first_node != self.node:
+                continue  # sampled here; judged by the watchdog of the job's first node
+            verdict = self._job_window(h, per_gpu, rule, now, others) if h.nodes else \
+                judge(per_gpu, rule, now, self.wd.interval)
             self._decide(h, rule, verdict, states.get(h.key, HolderState()), now)
         self.samples = {k: v for k, v in self.samples.items() if k in {h.key for h in holders}}
         self._last_pass = now
@@ -96,6 +106,33 @@ class Watchdog:
             self.machine.save_samples(self.samples)
             self.machine.add_idle(idle_seconds, dt.date.fromtimestamp(now).isoformat())
         return holders
+
+    def _job_window(self, h: Holder, mine: dict[int, list[Sample]], rule: IdleRule, now: float,
+                    others: dict[str, dict[str, dict[int, list[Sample]]]]) -> Verdict:
+        """The verdict on a job with GPUs on several nodes: this node's samples and the other nodes'
+        (their watchdogs' files on the volume); not covered while a node's are missing or old."""
+        merged: dict[tuple[str, int], list[Sample]] = {}
+        fresh_after = now - 2 * self.wd.interval - REMOTE_SLACK_S
+        for node, gpus in h.nodes:
+            if node == self.node:
+                per_gpu = mine
+            else:
+                if node not in others:
+                    others[node] = read_samples(self.settings.data_root, node)
+                per_gpu = others[node].get(h.key, {})
+            for g in gpus:
+                kept = per_gpu.get(g)
+                if not kept or (node != self.node and kept[-1][0] < fresh_after):
+                    return Verdict(False, False, 0.0, 0.0, 0.0, 0)
+                merged[(node, g)] = kept
+        return judge(merged, rule, now, self.wd.interval)
+
+    def _where(self, h: Holder) -> str:
+        """``gpu1 (GPU 0)``; for a job on several nodes ``n1, n2 (GPU 0 on n1; GPU 0,1 on n2)``."""
+        if not h.nodes:
+            return f"{self.host} (GPU {','.join(map(str, h.gpus))})"
+        return (", ".join(n for n, _ in h.nodes) + " (" +
+                "; ".join(f"GPU {','.join(map(str, g))} on {n}" for n, g in h.nodes) + ")")
 
     def _decide(self, h: Holder, rule: IdleRule, verdict: Verdict, st: HolderState, now: float) -> None:
         exemption = self.wd.exemption_for(h.user, h.partition, h.name, dt.datetime.fromtimestamp(now))
@@ -124,8 +161,8 @@ class Watchdog:
                         f"to keep it: det-lab watchdog snooze {h.job_id or h.name} 2h")
             else:
                 then = f"It is not stopped ({what_next.why_not}): please release it."
-            message = (f"{h.what} of {h.user or '?'} on {self.host} (GPU {','.join(map(str, h.gpus))}) has been "
-                       f"idle for {span(rule.window)}: mean utilization {verdict.mean_utilization:.1f} % (rule: under "
+            message = (f"{h.what} of {h.user or '?'} on {self._where(h)} has been idle for {span(rule.window)}: "
+                       f"mean utilization {verdict.mean_utilization:.1f} % (rule: under "
                        f"{rule.utilization_below:g} %), memory {verdict.mean_memory:.1f} % (under {rule.memory_below:g} %). "
                        f"{then}")
             self._record(h, "warned", st.episode, verdict, message=message, deadline=deadline,
@@ -144,7 +181,8 @@ class Watchdog:
             return
         resume = self._resume_hint(h)
         self._record(h, "acted", st.episode, verdict, action=what_next.verb,
-                     message=f"{h.what} of {h.user or '?'} on {self.host}: {done} (its GPU idle for "
+                     message=f"{h.what} of {h.user or '?'} on {', '.join(n for n, _ in h.nodes) or self.host}: "
+                             f"{done} (its GPU{'s' if h.nodes else ''} idle for "
                              f"{span(rule.window)}, warned at {_clock(st.warned_at)}){resume}")
 
     # --- helpers -------------------------------------------------------------------------------------
@@ -154,6 +192,8 @@ class Watchdog:
         entry = {"holder": h.key, "event": event, "episode": episode, "host": self.host, "kind": h.kind,
                  "user": h.user, "name": h.name, "partition": h.partition, "gpus": list(h.gpus),
                  **verdict.figures(), "message": message, **extra}
+        if h.nodes:
+            entry["nodes"] = {n: list(g) for n, g in h.nodes}
         if self.dry_run:
             self.say(f"dry run: would journal {event}: {message}")
             return

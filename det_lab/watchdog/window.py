@@ -9,6 +9,7 @@ holder is judged only once its samples cover the whole window (a new job is neve
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from det_lab.watchdog_settings import IdleRule
@@ -37,8 +38,9 @@ def trim(samples: list[Sample], window: float, now: float) -> list[Sample]:
     return [s for s in samples if s[0] >= now - window]
 
 
-def judge(per_gpu: dict[int, list[Sample]], rule: IdleRule, now: float, interval: float) -> Verdict:
-    """The verdict on a holder from each of its GPUs' samples (``interval``: the time between two)."""
+def judge(per_gpu: Mapping[Hashable, list[Sample]], rule: IdleRule, now: float, interval: float) -> Verdict:
+    """The verdict on a holder from each of its GPUs' samples (``interval``: the time between two; a GPU
+    is named by its index, or by its node and index for a job on several nodes)."""
     means_u, means_m, peak, count, covered = [], [], 0.0, 0, bool(per_gpu)
     for samples in per_gpu.values():
         kept = trim(samples, rule.window, now)
