@@ -167,7 +167,7 @@ def test_det_lab_gpus_shows_every_host_s_holders_and_a_killed_one_s_lease_goes_s
         (gone,) = s["silent"]
         assert (gone["host"], gone["run"], gone["gpus"]) == (a.name, f"left-{a.name}", [0])
         assert held[a.name]["heartbeat"] <= gone["silent_since"] <= killed + 0.5
-        assert gone_after <= LIFETIME + 5, gone_after
+        assert gone_after <= LIFETIME + 10, gone_after  # a lifetime, and a det-lab gpus on a loaded machine
         plain = view.gpus().stdout
         assert re.search(rf"{b.name}: GPU 0 held by root run right-{b.name} since \S+ \S+ \(heartbeat \d+ s ago\)",
                          plain), plain
