@@ -116,7 +116,8 @@ ENV_VARS: dict[str, EnvVar] = {
     "DET_MASTER": EnvVar(_text, "overrides `master_url`; what the det CLI and Determined tasks use"),
     "MLFLOW_TRACKING_URI": EnvVar(_text, "overrides `tracking.mlflow_uri`", "nonsense"),
     "DET_LAB_LOCK_LIFETIME": EnvVar(_positive(int), "seconds a volume lock outlives a holder that stopped "
-                                    "refreshing it (a machine lost mid-pull); default 60", "soon"),
+                                    "refreshing it (a machine lost mid-pull), and a GPU lease whose holder stopped "
+                                    "its heartbeat is shown silent to other hosts; default 60", "soon"),
     "DET_LAB_GC_GRACE": EnvVar(_positive(float), "seconds `det-lab data gc` leaves an object just written to the "
                                "shared cache alone (a pull may still be publishing it); default 3600", "-5"),
     "DET_LAB_LIST_WORKERS": EnvVar(_positive(int), "processes `det-lab runs list` reads runs with, when it has "

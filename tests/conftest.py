@@ -61,7 +61,7 @@ _SERIAL_FILES = {"test_slurm_config.py": "slurm", "test_slurm_jobs.py": "slurm",
                  "test_reproduce_slurm.py": "slurm", "test_watchdog.py": "slurm"}
 # Slurm files that may run beside those: the multi-host test bed's slurmd track processes without
 # cgroups (proctrack/linuxproc, task/none: tests/multihost.py), in namespaces of their own
-_SLURM_FILES = {*_SERIAL_FILES, "test_multinode_slurm.py"}
+_SLURM_FILES = {*_SERIAL_FILES, "test_multinode_slurm.py", "test_multinode_sshfs.py", "test_multinode_lab_view.py"}
 
 
 # The suite by cost (``python -m pytest -m unit`` runs the fast part alone; docs/verified.md has its time):

@@ -209,7 +209,9 @@ def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_clus
         assert f"det-lab watchdog snooze {idle} 2h" in w["message"]
         assert job_state(slurm_cluster, busy) == "RUNNING"
 
-        # the webhook got the warning and the action, each once, in Mattermost's shape
+        # the webhook got the warning and the action, each once, in Mattermost's shape (the action's
+        # post may land after its journal line, as its mail may)
+        wait_for(lambda: len(got) >= 2, 30)
         assert [(path, ctype) for path, ctype, _ in got] == [("/hooks/lab-gpus", "application/json")] * 2
         assert [set(body) for _, _, body in got] == [{"text", "username"}] * 2
         assert got[0][2]["text"] == f"det-lab watchdog: {w['message']}"
