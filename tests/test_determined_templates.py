@@ -12,6 +12,7 @@ shows), the checkpoints on the volume and through the SDK, the run's own metrics
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 import functools
 import os
 import subprocess
@@ -321,6 +322,52 @@ def test_isaac_submitted_with_det_experiment_create_trains_to_completed(det_clus
     conf["hyperparameters"]["save_interval"] = 3
     trial = _check_one_trial(det_cluster, det_cluster.create("isaac_lab", conf), "checkpoints/isaac")
     assert _master_metrics(det_cluster, trial)["training"]
+
+
+@pytest.fixture(scope="module")
+def smolvla_experiment(det_cluster, act_experiments) -> Iterator[tuple[int, Any]]:
+    """smolvla.yaml (shrunk: tests/smolvla_models.py) through det experiment create, after the tiny
+    SmolVLA base and VLM were imported into the lab's model store by its member; submitted after the
+    act.yaml experiments (requested here only so they run meanwhile: no_backbone frees its slot at
+    once). Yields the experiment and the child that loads its checkpoints with LeRobot."""
+    from det_lab.templates import apply_overrides
+    from tests.smolvla_models import RUN_ASSIGNMENTS, ModelsChild
+
+    lab = det_cluster.lab
+    with ModelsChild(lab.base / f"tiny-smolvla-{uuid.uuid4().hex[:4]}", lab.data) as tiny:
+        for path in tiny.work.rglob("*"):  # readable by the member, as a download would be (safetensors writes 0600)
+            path.chmod(path.stat().st_mode | (0o055 if path.is_dir() else 0o044))
+        for src, name in tiny.models():
+            imported = lab.det_lab(lab.a, "models", "import", str(src), name)
+            assert imported.returncode == 0, imported.stdout + imported.stderr
+        conf = apply_overrides(_expconf("vla", "smolvla.yaml", dataset="grasp-frames"), list(RUN_ASSIGNMENTS))
+        yield det_cluster.create("vla", conf), tiny
+
+
+@skip_without_lerobot()
+@pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("transformers", "num2words")),
+                    reason="needs transformers and num2words (SmolVLA's VLM): pip install -e '.[test]'")
+def test_smolvla_through_det_experiment_create_fine_tunes_offline_from_the_store_and_checkpoints_for_lerobot(
+        det_cluster, smolvla_experiment):
+    """LeRobot's SmolVLA fine-tuned from the base in the volume's model store through Determined's whole
+    chain in the task stand-in, offline (the task's HF_HOME at the store and HF_HUB_OFFLINE=1 from the
+    master config det_lab renders; no hub here): COMPLETED, loss each step and the validation at the
+    master (equal to MLflow's), and the checkpoint's pretrained_model/ loads with
+    SmolVLAPolicy.from_pretrained, offline from the store, to the weights Determined saved."""
+    from tests.smolvla_models import assert_loads_as_trained
+    from tests.tiny_smolvla import BASE_KEYS
+
+    exp_id, tiny = smolvla_experiment
+    trial = _check_one_trial(det_cluster, exp_id, "checkpoints/vla")
+    metrics = _master_metrics(det_cluster, trial)
+    assert [s for s, _ in metrics["training"]] == [1, 2, 3] and [s for s, _ in metrics["validation"]] == [3]
+    assert all({"loss", "grad_norm", "lr"} <= set(values) for _, values in metrics["training"])
+    assert "val_action_l1" in metrics["validation"][0][1]
+    ((ckpt, path),) = _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
+    assert ckpt.metadata["steps_completed"] == 3
+    assert {"pretrained_model/config.json", "pretrained_model/model.safetensors",
+            "pretrained_model/policy_preprocessor.json"} <= set(ckpt.resources), sorted(ckpt.resources)
+    assert_loads_as_trained(tiny.load([path])[str(path)], BASE_KEYS["chunk_size"])
 
 
 @pytest.fixture(scope="module")

@@ -382,3 +382,37 @@ def test_lerobots_act_trains_through_slurm_and_each_checkpoint_holds_its_pretrai
         assert sorted(loaded) == sorted(saved) and all(torch.equal(loaded[k], saved[k]) for k in saved), path
         weights.append(loaded)
     assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
+
+
+@skip_without_lerobot()
+@pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("transformers", "num2words")),
+                    reason="needs transformers and num2words (SmolVLA's VLM): pip install -e '.[test]'")
+def test_smolvla_fine_tunes_from_the_volumes_model_store_as_a_slurm_job(slurm_lab, tmp_path):
+    """smolvla.yaml (shrunk: tests/smolvla_models.py) through det-lab run --slurm --wait: the job
+    fine-tunes the tiny SmolVLA base and VLM imported into the volume's model store, offline (the
+    job's HF_HOME at the store, HF_HUB_OFFLINE=1; this machine has no hub), its lineage naming
+    both; its checkpoint's pretrained_model/ loads with SmolVLAPolicy.from_pretrained, offline from
+    the store, to the trial's own weights."""
+    from tests.smolvla_models import SMOLVLA_YAML, ModelsChild, assert_loads_as_trained, run_sets
+    from tests.tiny_smolvla import BASE_ID, BASE_KEYS, VLM_ID
+
+    node_site = tmp_path / "node-site"  # the torchvision shim, as the ACT job's above
+    node_site.mkdir()
+    (node_site / "sitecustomize.py").write_text(torchvision_shim.image_pth_line())
+    with ModelsChild(tmp_path / "tiny", slurm_lab.root) as tiny:
+        for src, name in tiny.models():
+            slurm_lab.cli("models", "import", str(src), name, check=True)
+        proc = subprocess.run([str(VENV_BIN / "det-lab"), "run", "vla", "--slurm", "--wait", "--exp-config",
+                               str(SMOLVLA_YAML), *run_sets()], env={**slurm_lab.env, "PYTHONPATH": str(node_site)},
+                              cwd=slurm_lab.config.parent, capture_output=True, text=True, timeout=500)
+        log = run_named(slurm_lab, proc.stdout) / "train.log" if proc.stdout.startswith("run ") else None
+        assert proc.returncode == 0, proc.stdout + proc.stderr + (log.read_text()[-3000:] if log else "")
+        run_dir = run_named(slurm_lab, proc.stdout)
+        st = state(run_dir)
+        assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [3]
+        assert sorted(metrics(run_dir, "training", "loss")) == [1, 2, 3]
+        assert sorted(metrics(run_dir, "validation", "val_action_l1")) == [3]
+        assert {m["name"] for m in st["lineage"]["models"]} == {BASE_ID, VLM_ID}
+        checkpoint = slurm_lab.root / "checkpoints" / "vla" / st["checkpoints"][0]["uuid"]
+        seen = tiny.load([checkpoint])[str(checkpoint)]
+    assert_loads_as_trained(seen, BASE_KEYS["chunk_size"])

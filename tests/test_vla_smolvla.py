@@ -15,7 +15,6 @@ One module fixture drives it all, overlapping the run with the child's steps.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +25,7 @@ import yaml
 
 from tests.conftest import VENV_BIN, Lab
 from tests.lerobot_writer import skip_without_lerobot
+from tests.smolvla_models import child_env, run_sets
 from tests.tiny_smolvla import BASE_CAMERA, BASE_ID, BASE_KEYS, CAMERA, VLM_ID
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,14 +34,7 @@ SHIM = REPO / "tests" / "torchvision_shim.py"
 #: the same operations in the same order (measured: identical to the last bit)
 TOL = dict(rtol=1e-6, atol=1e-7)
 RUN_SETS = ("--set", f"entrypoint=python3 -m determined.launch.torch_distributed python3 {SHIM} train.py",
-            "--set", "data.det_lab.max_length.batches=3", "--set", "min_validation_period.batches=3",
-            "--set", "min_checkpoint_period.batches=3", "--set", "hyperparameters.global_batch_size=4",
-            "--set", "hyperparameters.val_episodes=1", "--set", "hyperparameters.num_workers=0",
-            "--set", "hyperparameters.torch_threads=1", "--set", "data.det_lab.reporting_batches=1",
-            "--set", "hyperparameters.policy.optimizer_lr=0.001",
-            "--set", "hyperparameters.policy.scheduler_warmup_steps=1",
-            "--set", "hyperparameters.policy.scheduler_decay_steps=6",
-            "--set", f"hyperparameters.policy.rename_map={{{CAMERA}: {BASE_CAMERA}}}")
+            *run_sets())
 
 pytestmark = [skip_without_lerobot(),
               pytest.mark.skipif(not all(__import__("importlib").util.find_spec(m) for m in ("transformers", "num2words")),
@@ -70,16 +63,12 @@ def smolvla(demo_lab: Lab, tmp_path_factory) -> dict[str, Any]:
     imports, the fine-tune's run, the child's steps and checkpoint loads."""
     import torch
 
-    from det_lab import models
     from det_lab.data import pull
     from det_lab.settings import load_settings
 
     work = tmp_path_factory.mktemp("smolvla")
     settings = load_settings(demo_lab.config, env={})
-    env = {k: v for k, v in os.environ.items() if k not in models.SHADOWING}
-    env.update(models.run_environment(settings.data_root), HOME=str(work / "home"),
-               HF_DATASETS_CACHE=str(work / "hf-datasets"), HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               TQDM_DISABLE="1", DET_LAB_CONFIG=str(demo_lab.config))
+    env = {**child_env(settings.data_root, work), "DET_LAB_CONFIG": str(demo_lab.config)}
     log = work / "child.log"
     with open(log, "w") as err:
         child = subprocess.Popen([sys.executable, "-m", "tests.tiny_smolvla", str(work)], cwd=REPO, env=env,
