@@ -9,6 +9,7 @@ carries the same files as package data under ``det_lab/_templates/`` and ``det_l
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -171,9 +172,30 @@ def _runs_standin(hparams: dict[str, Any]) -> bool:
 
 
 RSL_RL_INSTALL = "pip install 'tensordict>=0.15,<0.16' && pip install --no-deps 'rsl-rl-lib>=5.5,<6'"
+#: LeRobot 0.4's pi0/pi0.5 build only on its transformers fork (its ``pi`` extra; modeling_pi05.py:577-584
+#: imports transformers.models.siglip.check, absent from PyPI's transformers, and fails with "An incorrect
+#: transformer version is used" after building 4 B parameters)
+PI_TRANSFORMERS = ("LeRobot's transformers fork that pi0/pi0.5 need (PyPI's transformers lacks it): "
+                   "pip install 'transformers @ git+https://github.com/huggingface/transformers.git@fix/lerobot_openpi' "
+                   "(LeRobot's pi extra)")
+
+
+def _lerobot_pi(hparams: dict[str, Any]) -> bool:
+    policy = hparams.get("policy")
+    if not isinstance(policy, dict) or policy.get("name", policy.get("type")) not in ("pi0", "pi05"):
+        return False
+    try:
+        version = importlib.metadata.version("lerobot")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    major_minor = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    return major_minor < (0, 5)
+
+
 #: by template directory: what its trials import only in some configurations
 REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {
     "isaac_lab": (Requirement("rsl_rl", RSL_RL_INSTALL, _runs_standin),),
+    "vla": (Requirement("transformers.models.siglip.check", PI_TRANSFORMERS, _lerobot_pi),),
     "gaussian_splatting": (Requirement("gsplat", "pip install gsplat (CUDA; see the template's README)",
                                        lambda hp: hp.get("backend") == "gsplat"),),
 }
@@ -185,7 +207,14 @@ def missing_requirements(template: Path, hparams: dict[str, Any]) -> list[str]:
     name = name_of(template)
     return [f"template {name} needs {r.module} with these hyperparameters; install it: {r.install}"
             for r in REQUIREMENTS.get(template.name, ())
-            if r.needed(hparams) and importlib.util.find_spec(r.module) is None]
+            if r.needed(hparams) and not _importable(r.module)]
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def apply_overrides(conf: dict[str, Any], assignments: list[str]) -> dict[str, Any]:

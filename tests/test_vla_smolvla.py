@@ -246,3 +246,30 @@ def test_shipped_vla_configs_pass_det_labs_checks_and_lerobots_config_factory(sm
             assert seen["from_store"][key] == value, key
     if kind == "smolvla":
         assert seen["from_store"]["vlm_model_name"] == VLM_ID and seen["from_store"]["pretrained_path"] == BASE_ID
+
+
+def test_pi05_yaml_without_lerobots_transformers_fork_is_refused_in_one_line_before_a_run_starts():
+    """LeRobot 0.4.4's pi0/pi0.5 build only on its transformers fork; with PyPI's, LeRobot fails
+    after building the whole model ("An incorrect transformer version is used, please create an
+    issue"). det-lab run's requirement check (local and --slurm, before the GPU lease or sbatch)
+    names the install instead, for pi05.yaml's sampled hyperparameters; SmolVLA and ACT need no fork."""
+    import importlib.util
+    import random
+
+    from det_lab.runs.local import sample_hparams
+    from det_lab.templates import missing_requirements
+
+    def missing(name: str) -> list[str]:
+        conf = yaml.safe_load((TEMPLATE / name).read_text())
+        return missing_requirements(TEMPLATE, sample_hparams(conf["hyperparameters"], random.Random(0)))
+
+    try:
+        has_fork = importlib.util.find_spec("transformers.models.siglip.check") is not None
+    except ModuleNotFoundError:
+        has_fork = False
+    if has_fork:
+        assert missing("pi05.yaml") == []
+    else:  # PyPI's transformers, as on det_lab's test machines
+        (line,) = missing("pi05.yaml")
+        assert "transformers.models.siglip.check" in line and "fix/lerobot_openpi" in line, line
+    assert missing("smolvla.yaml") == [] and missing("act.yaml") == []
