@@ -1,7 +1,7 @@
 """Several hosts, timed: the multi-host test bed up and down, a killed node's job running on another
 node, and a cut-off node's copy of a job stopped.
 
-    sudo python bench/multinode.py [--repeats 1]
+    sudo python bench/multinode.py [--repeats 1] [--volume bind|sshfs]
 
 Uses the tests' bed (tests/multihost.py: three hosts as network + UTS + mount namespaces on a
 bridge, Slurm with slurmdbd across them from det_lab's rendered slurm.conf, the lab volume at one
@@ -14,6 +14,10 @@ path; root only). Each repeat brings a bed up, then:
   until the requeued copy runs on the other node, until the cut-off copy has stopped itself (the
   fence, det_lab/runs/fence.py), and, after the link is healed, until the node is idle again;
 - the bed is torn down (timed).
+
+``--volume sshfs``: the nodes mount the volume with sshfs from host 0 (tests/multihost.py), so the
+cut-off node loses it too: its copy blocks at its next access to the volume and cannot stop while
+cut off; the link is healed once the requeued copy runs, timed until the old copy has stopped.
 
 Tracking is off (this measures the scheduler and the fence). Prints the date, the machine and,
 per measure, each repeat and the median.
@@ -36,7 +40,14 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests import multinode_steps as mn  # noqa: E402
-from tests.multihost import MultiHostCluster, lab_volume, namespaces_refused, start_bed, stop_bed  # noqa: E402
+from tests.multihost import (  # noqa: E402
+    MultiHostCluster,
+    lab_volume,
+    namespaces_refused,
+    sshfs_refused,
+    start_bed,
+    stop_bed,
+)
 from tests.slurm_cluster import ACCOUNTING_BINARIES, BINARIES, missing_binaries  # noqa: E402
 
 
@@ -72,11 +83,15 @@ def partition(cluster: MultiHostCluster, lab) -> dict[str, float]:
         mn.wait_for(lambda: mn.job(cluster, job_id)[0] == "RUNNING" and mn.job(cluster, job_id)[1] not in ("", node),
                     180, "the requeued copy", poll=0.1)
         out["partition -> running on another node"] = time.monotonic() - t0
-        mn.wait_for(lambda: not mn.trial_pids(cluster, host, run_dir), 120, "the cut-off copy to stop", poll=0.1)
-        out["partition -> old copy stopped"] = time.monotonic() - t0
+        if not cluster.volume_server:  # on sshfs the cut-off copy waits for its volume: heal first
+            mn.wait_for(lambda: not mn.trial_pids(cluster, host, run_dir), 120, "the cut-off copy to stop", poll=0.1)
+            out["partition -> old copy stopped"] = time.monotonic() - t0
     finally:
         cluster.link(host, up=True)
     healed = time.monotonic()
+    if cluster.volume_server:
+        mn.wait_for(lambda: not mn.trial_pids(cluster, host, run_dir), 120, "the cut-off copy to stop", poll=0.1)
+        out["heal -> old copy stopped (sshfs)"] = time.monotonic() - healed
     mn.wait_for(lambda: cluster.node_state(host).rstrip("*") == "idle", 180, "the node back", poll=0.2)
     out["heal -> node idle again"] = time.monotonic() - healed
     cluster.run("scancel", job_id, check=False)
@@ -84,14 +99,14 @@ def partition(cluster: MultiHostCluster, lab) -> dict[str, float]:
     return out
 
 
-def one() -> dict[str, float]:
+def one(volume: str) -> dict[str, float]:
     base = Path(tempfile.mkdtemp(prefix="det-lab-multihost-bench-", dir="/var/tmp"))
     base.chmod(0o755)
     cluster = None
     try:
         lab = lab_volume(base)
         lab.write_config(tracking={"backend": "none"})
-        cluster = start_bed(base)
+        cluster = start_bed(base, volume)
         lab.env.update({**cluster.env, **mn.FAST})
         out = {"bed up (munged to two idle nodes)": cluster.timings["up_s"]}
         out.update(kill(cluster, lab))
@@ -112,6 +127,8 @@ def machine() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--volume", choices=("bind", "sshfs"), default="bind",
+                        help="the nodes' volume: a bind mount, or sshfs from host 0 (a cut-off node loses it)")
     args = parser.parse_args()
     missing = missing_binaries(BINARIES + ACCOUNTING_BINARIES)
     if missing:
@@ -123,9 +140,12 @@ def main() -> None:
         sys.exit(refused)
     started = dt.datetime.now(dt.timezone.utc)
     load = os.getloadavg()[0]  # other work on the machine slows every figure
-    runs = [one() for _ in range(args.repeats)]
+    if args.volume == "sshfs" and sshfs_refused():
+        sys.exit(sshfs_refused())
+    runs = [one(args.volume) for _ in range(args.repeats)]
     print(f"# bench/multinode.py, {started:%Y-%m-%d %H:%M} UTC, {machine()}, load {load:.1f} at the start")
-    print(f"# three namespace hosts, Slurm 22.05 (SlurmdTimeout 5 s), {args.repeats} repeat(s); seconds")
+    print(f"# three namespace hosts, Slurm 22.05 (SlurmdTimeout 5 s), volume: {args.volume}, "
+          f"{args.repeats} repeat(s); seconds")
     print("| measure | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " | median |")
     print("|---|" + "---|" * len(runs) + "---|")
     for key in runs[0]:

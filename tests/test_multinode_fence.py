@@ -1,7 +1,8 @@
 """The fence of a run's attempts (det_lab.runs.fence) on one temporary volume, without Slurm: the
 attempt epoch taken by racing processes, a stale copy's write refused and the copy stopped, the
-latest-checkpoint pointer never moved back, a check that cannot read its file never stopping
-training, and a second completion of a finished job doing nothing."""
+latest-checkpoint pointer never moved back, a record rename held up past the next attempt's start
+refused by the file system, a check that cannot read its file never stopping training, and a second
+completion of a finished job doing nothing."""
 
 from __future__ import annotations
 
@@ -122,13 +123,16 @@ def test_the_latest_pointer_never_moves_backwards(tmp_path):
 
 
 def test_a_check_that_cannot_read_the_attempt_never_stops_training(tmp_path, caplog):
-    """A volume hiccup (here: attempt.json unreadable) lets the write go ahead, with one warning."""
+    """A volume hiccup (here: attempt.json unreadable) lets the write go ahead, with one warning,
+    once the check has kept reading for its unknown_wait_s (30 s by default; 0.5 s here)."""
     first = begin_attempt(tmp_path, "9", 0, "a")
-    fence = Fence(tmp_path, first.epoch, first.token, poll_s=0.1)
+    fence = Fence(tmp_path, first.epoch, first.token, poll_s=0.1, unknown_wait_s=0.5)
     (tmp_path / "attempt.json").unlink()
     (tmp_path / "attempt.json").mkdir()  # reading it fails with an OSError, as a lost mount does
     with caplog.at_level(logging.WARNING, logger="det_lab.trials"):
+        started = time.monotonic()
         assert fence.current() is None
+        assert 0.45 < time.monotonic() - started < 5  # it kept trying: a healed volume answers again
         fence.check("metrics of step 10")
         fence.check("metrics of step 20")
     (warning,) = [r.getMessage() for r in caplog.records]
@@ -158,3 +162,53 @@ def test_a_second_completion_of_a_finished_job_does_nothing(tmp_path, monkeypatc
     assert run_in_job(run) == 0
     assert "run done already finished; nothing to do" in capsys.readouterr().out
     assert run.run_file.read_bytes() == before and read_attempt(run.dir) is None
+
+
+def test_a_record_rename_held_up_past_the_next_attempt_s_start_is_refused(tmp_path):
+    """A copy cut off from a network volume: what it sent before the cut arrives after the heal.
+    Its record is renamed from its attempt's directory, which the next attempt removed first, so
+    the file server refuses the late rename and the newer record stays."""
+    first = begin_attempt(tmp_path, "7", 0, "a")
+    staged = Fence(tmp_path, first.epoch, first.token).stage / ".run.json.1.tmp"
+    staged.write_text('{"by": "attempt 1"}')  # written whole before the cut, its rename held up
+    second = begin_attempt(tmp_path, "7", 1, "b")
+    (tmp_path / "run.json").write_text('{"by": "attempt 2"}')
+    with pytest.raises(FileNotFoundError):
+        os.replace(staged, tmp_path / "run.json")  # the held-up request reaches the file server
+    assert json.loads((tmp_path / "run.json").read_text()) == {"by": "attempt 2"}
+    assert [p.name for p in tmp_path.glob(".attempt-*")] == [f".attempt-{second.epoch}"]
+
+
+PUBLISHER = """
+import sys
+from pathlib import Path
+from det_lab.runs.fence import Fence
+from det_lab.slurm.record import SlurmRunRecord
+run = SlurmRunRecord(Path(sys.argv[1]))
+run.fence = Fence.from_env(run.dir)
+run.update(by=sys.argv[2])
+print("written")
+"""
+
+
+def test_the_record_is_published_by_the_current_attempt_only(tmp_path):
+    """A stale copy's record write stops it (code 76) and changes nothing; the current attempt's
+    lands, also when its directory is missing (an attempt an older det_lab began)."""
+    from det_lab.slurm.record import SlurmRunRecord
+
+    SlurmRunRecord(tmp_path).save({"kind": "slurm", "name": "r", "by": "nobody"})
+    first = begin_attempt(tmp_path, "5", 0, "a")
+    second = begin_attempt(tmp_path, "5", 1, "b")
+
+    def publish(attempt, who):
+        return subprocess.run([sys.executable, "-c", PUBLISHER, str(tmp_path), who], capture_output=True, text=True,
+                              env={**os.environ, ATTEMPT_ENV: attempt.env_value}, timeout=120)
+
+    stale = publish(first, "attempt 1")
+    assert stale.returncode == STALE_EXIT_CODE and "attempt 1 of this run is stale" in stale.stderr, stale
+    assert SlurmRunRecord(tmp_path).state()["by"] == "nobody"
+    Fence(tmp_path, second.epoch, second.token).stage.rmdir()
+    current = publish(second, "attempt 2")
+    assert current.returncode == 0 and current.stdout.strip() == "written", current
+    assert SlurmRunRecord(tmp_path).state()["by"] == "attempt 2"
+    assert not list(tmp_path.glob(".attempt-*/.*.tmp"))

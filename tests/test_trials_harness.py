@@ -71,6 +71,7 @@ class Recorder:
     def __init__(self) -> None:
         self.metrics: list[tuple[str, int, dict]] = []
         self.checkpoints: list[tuple[str, dict]] = []
+        self.written: list[str] = []
         self.preempt = False
 
     def on_metrics(self, group, step, metrics):
@@ -79,8 +80,14 @@ class Recorder:
     def checkpoint_metadata(self, metadata):
         return {**metadata, "det_lab": {"run_key": "k"}}
 
+    def checkpoint_written(self, path):
+        # the files are there, the metadata.json that makes them a checkpoint not yet (the fence's last check)
+        assert path.parent == self.root and any(path.iterdir()) and not (path / "metadata.json").exists()
+        self.written.append(path.name)
+
     def on_checkpoint(self, storage_id, metadata):
         assert (self.root / storage_id / "metadata.json").is_file()  # complete before it is reported
+        assert self.written[-1] == storage_id
         self.checkpoints.append((storage_id, dict(metadata)))
 
     def on_should_preempt(self, answer):
@@ -103,7 +110,7 @@ def test_intercept_routes_metrics_checkpoints_and_preemption(tmp_path):
         assert core.preempt.should_preempt() is True
     assert hooks.metrics == [("training", 5, {"loss": 0.5}), ("validation", 10, {"val_loss": 0.25}),
                              ("custom", 10, {"fps": 30.0})]
-    assert [c[0] for c in hooks.checkpoints] == [storage_id]
+    assert [c[0] for c in hooks.checkpoints] == [storage_id] and hooks.written == [storage_id]
     meta = json.loads((tmp_path / storage_id / "metadata.json").read_text())
     assert meta["det_lab"] == {"run_key": "k"} and meta["steps_completed"] == 10
 

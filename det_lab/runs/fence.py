@@ -17,15 +17,39 @@ How:
   before each metric report, checkpoint, pointer switch and record update
   (:mod:`det_lab.trials.session`), and a watcher thread checks every ``$DET_LAB_FENCE_POLL``
   seconds (default 5) in between.
+- **Checked again at the last moment, because a check can be old news.** On a network volume a
+  copy cut off from the network is cut off from the volume too: what it sent after its last
+  check, or was about to send, is held up and lands when the link heals, after the current
+  attempt may have finished. So every write is arranged so that what can still land late is
+  refused by the file server or harmless:
+
+  - *Replaced files* (``run.json``, ``tracking-summary.json``): written whole in the attempt's own
+    directory ``.attempt-<epoch>/`` beside ``run.json``, checked, then renamed over the file
+    (:meth:`Fence.publish`). :func:`begin_attempt` removes every older attempt's directory before
+    the new attempt writes anything, so a rename the old copy sent late names a directory that is
+    gone, and the file server refuses it: the new record can never be replaced by an old copy's,
+    whenever its request arrives. (A copy that finds its directory gone stops, as when stale.)
+  - *Appended files* (``metrics.jsonl``, the tracking journal's events and marks): opened first,
+    then checked, then written in one call; the journal's writer thread checks before each batch.
+    What can still land late is one write sent within microseconds of a check that read the
+    file server's current attempt.
+  - *Checkpoints*: their files are written after a check, and their ``metadata.json`` (what makes a
+    directory a checkpoint: resume, retention and the record go by it) only after another check.
+    A checkpoint becomes the run's only when the record names it, through a published
+    ``run.json``; files a stale copy left without one are no checkpoint to det_lab.
 - **A stale copy stops itself**: one log line, its trainer lock released (so the current attempt,
   which waits for that lock before it trains, starts at once), then ``os._exit``: no ``finally``,
   ``atexit`` or mirror flush runs that could still write. Its exit code is
   :data:`STALE_EXIT_CODE`; the Slurm driver then records nothing.
-- **A check that fails is not fatal.** When ``attempt.json`` cannot be read (a volume hiccup) even
-  after :data:`READ_TRIES` tries, the write goes ahead ("fail open") and a warning is logged:
-  training never dies because of the fence itself. What keeps that safe: a checkpoint is a new
-  directory that nothing points to until the pointer switch, the pointer only moves to a higher
-  step (:meth:`det_lab.runs.record.RunRecord.add_checkpoint`), metrics are kept once per step
+- **A check that cannot read is not fatal.** When ``attempt.json`` cannot be read (a volume
+  hiccup), the check keeps reading for up to :data:`UNKNOWN_WAIT_S` seconds; then the write goes
+  ahead ("fail open") and a warning is logged: training never dies because of the fence itself.
+  The wait matters after a partition heals: a network volume's client may reconnect first (sshfs
+  fails what it had under way, NFS retries it), and a stale copy's reads fail meanwhile; it reads
+  its attempt once the volume answers and stops. What keeps the rest safe: the record is only
+  ever renamed from the attempt's directory, a checkpoint is a new directory that nothing points
+  to until the pointer switch, the pointer only moves to a higher step
+  (:meth:`det_lab.runs.record.RunRecord.add_checkpoint`), metrics are kept once per step
   (``metrics.jsonl`` and the tracking journal drop a step already written), and the watcher keeps
   checking, so a stale copy stops at the first read that works.
 
@@ -35,9 +59,11 @@ A trial started without ``$DET_LAB_ATTEMPT`` (``det-lab run --local``, a cluster
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import shutil
 import sys
 import threading
 import time
@@ -61,8 +87,8 @@ POLL_ENV = "DET_LAB_FENCE_POLL"
 DEFAULT_POLL_S = 5.0
 #: how a stale copy's trial exits (sysexits' EX_PROTOCOL): its driver records nothing
 STALE_EXIT_CODE = 76
-#: reads of attempt.json before a check counts as "unknown" (and the write goes ahead)
-READ_TRIES = 3
+#: seconds a check keeps reading an attempt.json it cannot read before the write goes ahead
+UNKNOWN_WAIT_S = 30.0
 
 
 class StaleAttempt(RuntimeError):
@@ -85,8 +111,25 @@ class Attempt:
         return f"{self.epoch}:{self.token}"
 
 
+#: an attempt's own directory beside run.json (``.attempt-<epoch>``): what it publishes is staged there
+STAGE_PREFIX = ".attempt-"
+
+
 def attempt_file(run_dir: Path) -> Path:
     return run_dir / ATTEMPT_FILE
+
+
+def stage_dir(run_dir: Path, epoch: int) -> Path:
+    """Attempt ``epoch``'s directory: it exists from :func:`begin_attempt` until the next attempt begins."""
+    return run_dir / f"{STAGE_PREFIX}{epoch}"
+
+
+def _revoke_older(run_dir: Path, epoch: int) -> None:
+    """Remove the directories of the attempts before ``epoch``: their late renames find no source."""
+    for old in run_dir.glob(f"{STAGE_PREFIX}*"):
+        number = old.name[len(STAGE_PREFIX):]
+        if number.isdigit() and int(number) < epoch:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def read_attempt(run_dir: Path) -> Attempt | None:
@@ -116,6 +159,8 @@ def begin_attempt(run_dir: Path, job_id: str = "", restart: int = 0, node: str =
                 raise StaleAttempt(f"restart {current.restart} of job {job_id} already runs on {current.node}")
             new = Attempt(epoch=(current.epoch if current else 0) + 1, token=uuid.uuid4().hex, job_id=job_id,
                           restart=restart, node=node, started=time.strftime("%Y-%m-%dT%H:%M:%S"))
+            stage_dir(run_dir, new.epoch).mkdir(exist_ok=True)
+            _revoke_older(run_dir, new.epoch)  # before the new attempt writes anything
             atomic_write_text(attempt_file(run_dir), json.dumps(stamped(asdict(new), RUN_ATTEMPT), indent=2) + "\n")
     except LockTimeout as exc:
         raise StaleAttempt(f"the run's attempt lock stayed taken: {exc}") from None
@@ -126,11 +171,13 @@ class Fence:
     """The checks of one trial process that belongs to attempt ``epoch`` / ``token`` of the run in
     ``run_dir`` (see the module docstring)."""
 
-    def __init__(self, run_dir: Path, epoch: int, token: str, poll_s: float = DEFAULT_POLL_S) -> None:
+    def __init__(self, run_dir: Path, epoch: int, token: str, poll_s: float = DEFAULT_POLL_S,
+                 unknown_wait_s: float = UNKNOWN_WAIT_S) -> None:
         self.run_dir = run_dir
         self.epoch = epoch
         self.token = token
         self.poll_s = poll_s
+        self.unknown_wait_s = unknown_wait_s
         #: called (in order) just before a stale copy exits: release what others wait for
         self.on_stale: list[Callable[[], None]] = []
         self._poller: threading.Thread | None = None
@@ -156,16 +203,21 @@ class Fence:
 
     def current(self) -> bool | None:
         """True while this attempt is the run's current one, False once another took over, None when
-        ``attempt.json`` could not be read (:data:`READ_TRIES` tries, a short wait between them)."""
-        for i in range(READ_TRIES):
+        ``attempt.json`` could not be read for :attr:`unknown_wait_s` seconds."""
+        deadline = time.monotonic() + self.unknown_wait_s
+        delay = 0.2
+        while True:
             try:
                 now = read_attempt(self.run_dir)
             except (OSError, ValueError):
-                time.sleep(0.2 * (i + 1))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                time.sleep(min(delay, left))
+                delay = min(2 * delay, 2.0)
                 continue
             # no file at all: someone removed it; the epoch that started us cannot be disproved
             return now is None or now.token == self.token
-        return None
 
     def check(self, what: str) -> None:
         """Before a write of ``what``: return if this attempt is current (or that cannot be known
@@ -177,6 +229,36 @@ class Fence:
             self._unknown_logged = time.monotonic()
             log.warning("det_lab: cannot read %s to check this attempt before writing %s; writing anyway "
                         "(a failed check never stops training)", attempt_file(self.run_dir), what)
+
+    @property
+    def stage(self) -> Path:
+        return stage_dir(self.run_dir, self.epoch)
+
+    def publish(self, path: Path, text: str, what: str, mode: int = 0o664) -> None:
+        """Replace ``path`` with ``text`` as this attempt: written in its directory, checked, renamed
+        from there (see the module docstring). A copy whose directory is gone stops once its
+        attempt reads stale; a current one without it (begun by an older det_lab) makes it."""
+        tmp = self.stage / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        for retry in (False, True):
+            try:
+                with open(tmp, "w") as f:
+                    f.write(text)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.chmod(tmp, mode)
+                self.check(what)
+                os.replace(tmp, path)
+                return
+            except FileNotFoundError:
+                now = self.current()
+                if now is False:
+                    self.stop(what)  # the next attempt removed this one's directory
+                if retry or now is None or not path.parent.is_dir():
+                    raise
+                self.stage.mkdir(exist_ok=True)
+            finally:
+                with contextlib.suppress(OSError):
+                    tmp.unlink()
 
     def stop(self, what: str) -> None:
         """Stop this stale copy: one line, release what the current attempt waits for, exit."""
@@ -239,6 +321,9 @@ class NullFence(Fence):
 
     def watch(self) -> threading.Thread | None:
         return None
+
+    def publish(self, path: Path, text: str, what: str, mode: int = 0o664) -> None:
+        atomic_write_text(path, text, mode)
 
     def lock_wait_s(self, lifetime_s: float) -> float:
         return 0.0

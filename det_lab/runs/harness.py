@@ -32,7 +32,8 @@ Interception (:func:`intercept`): four methods of a trial's ``det.core.Context``
 calling the original first so Determined gets what it did before:
 
 - ``train._report_trial_metrics``: the one funnel of training, validation and custom metrics;
-- ``checkpoint.store_path``: checkpoint metadata gains the trial's lineage;
+- ``checkpoint.store_path``: checkpoint metadata gains the trial's lineage, and the hooks hear
+  when the files are written, before the ``metadata.json`` that makes them a checkpoint;
 - ``checkpoint._report_checkpoint``: called once a checkpoint is complete (after upload);
 - ``preempt.should_preempt``: off-cluster, SIGTERM asks the trial to checkpoint and stop.
 
@@ -178,6 +179,8 @@ class Interceptor(Protocol):
 
     def checkpoint_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]: ...
 
+    def checkpoint_written(self, path: Path) -> None: ...
+
     def on_checkpoint(self, storage_id: str, metadata: dict[str, Any]) -> None: ...
 
     def on_should_preempt(self, answer: bool) -> bool: ...
@@ -194,8 +197,11 @@ def intercept(core: Any, hooks: Interceptor) -> None:
         hooks.on_metrics(group, steps_completed, metrics)
         return result
 
+    @contextlib.contextmanager
     def _store_path(metadata=None, *args, **kwargs):
-        return store_path(hooks.checkpoint_metadata(dict(metadata or {})), *args, **kwargs)
+        with store_path(hooks.checkpoint_metadata(dict(metadata or {})), *args, **kwargs) as stored:
+            yield stored
+            hooks.checkpoint_written(Path(stored[0]))  # the files are there; metadata.json comes next
 
     def _report_checkpoint(storage_id, resources=None, metadata=None):
         result = report_checkpoint(storage_id, resources, metadata)

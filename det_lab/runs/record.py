@@ -30,7 +30,7 @@ import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ClassVar, Final, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Final, cast
 
 from det_lab.errors import UserError
 from det_lab.jsonload import loads
@@ -38,6 +38,9 @@ from det_lab.ondisk import RUN_RECORD, check, refuse_overwrite, stamped
 from det_lab.settings import LabSettings
 from det_lab.runs.run_state import RunState, RunStatus  # noqa: F401  (RunStatus: re-exported)
 from det_lab.volume import VolumeLayout, atomic_write_text
+
+if TYPE_CHECKING:
+    from det_lab.runs.fence import Fence
 
 RUN_FILE = "run.json"
 LOG_FILE = "train.log"
@@ -140,6 +143,14 @@ class RunRecord:
     def __init__(self, directory: Path) -> None:
         self.dir = directory if isinstance(directory, Path) else Path(directory)
         self._high_water: dict[tuple[str, str], int] | None = None  # (group, key) -> last step written
+        #: the attempt this process writes as (a Slurm job's trial and driver; det_lab.runs.fence)
+        self.fence: Fence | None = None
+
+    def _replace(self, path: Path, text: str, what: str) -> None:
+        if self.fence is None:
+            atomic_write_text(path, text)
+        else:
+            self.fence.publish(path, text, what)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({str(self.dir)!r})"
@@ -186,7 +197,8 @@ class RunRecord:
     def save(self, state: RunState | dict[str, Any]) -> None:
         """Write run.json, stamped; never over one a newer det_lab wrote (:class:`~det_lab.ondisk.NewerFormat`)."""
         refuse_overwrite(self.run_file, RUN_RECORD)
-        atomic_write_text(self.run_file, json.dumps(stamped(state, RUN_RECORD), indent=2, default=str) + "\n")
+        self._replace(self.run_file, json.dumps(stamped(state, RUN_RECORD), indent=2, default=str) + "\n",
+                      "the run record")
 
     def update(self, **changes: Any) -> RunState:
         state = cast(RunState, {**self.state(), **changes})
@@ -259,8 +271,11 @@ class RunRecord:
         if not fresh:
             return
         self._high_water.update(((group, k), step) for k in fresh)
+        line = json.dumps({"group": group, "step": step, "metrics": fresh}) + "\n"
         with open(self.metrics_file, "a") as f:
-            f.write(json.dumps({"group": group, "step": step, "metrics": fresh}) + "\n")
+            if self.fence is not None:  # opened first: a copy cut off before this check writes nothing
+                self.fence.check(f"{group} metrics of step {step}")
+            f.write(line)
 
     def add_checkpoint(self, uuid: str, step: int) -> None:
         """A complete checkpoint: it becomes the latest only now, and only if no later step is latest
@@ -283,8 +298,8 @@ class RunRecord:
         """How the trial ended (FINISHED, KILLED when stopped early, FAILED) and what the mirror delivered."""
         if summary is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(self.tracking_summary_file,
-                              json.dumps({**summary, "status": status}, indent=2, default=str) + "\n")
+            self._replace(self.tracking_summary_file,
+                          json.dumps({**summary, "status": status}, indent=2, default=str) + "\n", "the tracking summary")
         if self.keeps_progress:
             self.update(trial_status=status)
 

@@ -172,6 +172,7 @@ def run_in_job(run: SlurmRunRecord, stop_signals: tuple[int, ...] = ()) -> int:
         return 0
     fence = Fence(run.dir, current.epoch, current.token)
     if first_node:
+        run.fence = fence  # what this driver records, it records as this attempt
         attempt = run.start_attempt(current.epoch, nodes=names)
         if state.get("latest_checkpoint"):
             state = run.update(resumed=state.get("resumed", 0) + 1, trial_status=None, status=RunStatus.RUNNING.value)

@@ -19,13 +19,15 @@ from pathlib import Path
 from det_lab.settings import LabSettings
 from det_lab.tracking.backend import TrackerBackend
 from det_lab.tracking.events import RunInfo
-from det_lab.tracking.mirror import DeliverySummary, Mirror
+from det_lab.tracking.mirror import DeliverySummary, Mirror, WriteFence
 from det_lab.tracking.null_mirror import NullMirror as NullMirror
 from det_lab.tracking.targets import BACKENDS, targets_for
 
 __all__ = ["BACKENDS", "DeliverySummary", "Mirror", "RunInfo", "TrackerBackend", "open_mirror", "targets_for"]
 
 
-def open_mirror(settings: LabSettings, run: RunInfo, journal_dir: Path, backend: str | None = None) -> Mirror:
-    """A started :class:`Mirror` for ``run`` with the configured backends' targets."""
-    return Mirror(run, targets_for(settings, backend), journal_dir)
+def open_mirror(settings: LabSettings, run: RunInfo, journal_dir: Path, backend: str | None = None,
+                fence: WriteFence | None = None) -> Mirror:
+    """A started :class:`Mirror` for ``run`` with the configured backends' targets (``fence``: the
+    trial's, which its journal writes go through)."""
+    return Mirror(run, targets_for(settings, backend), journal_dir, fence=fence)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -80,6 +80,8 @@ class Journal:
         self.last_seq = 0 if self.newer else self._scan_tail()
         self._fd: int | None = None  # the segment being appended to (writer only)
         self._current_count = 0
+        #: how the writer replaces its marks and end files (a trial's fence publishes them: Mirror)
+        self.replace: Callable[[Path, str], None] = atomic_write_text
 
     # --- writing (the trial's chief only) ------------------------------------------------------
 
@@ -207,7 +209,7 @@ class Journal:
     def mark_end(self, status: str) -> None:
         """Record that the run ended with ``status`` after the last event written so far."""
         self._refuse_newer()
-        atomic_write_text(self.directory / "end.json", json.dumps(asdict(End(status, self.last_seq))) + "\n")
+        self.replace(self.directory / "end.json", json.dumps(asdict(End(status, self.last_seq))) + "\n")
 
     def end(self) -> End | None:
         data = _read_json(self.directory / "end.json")
@@ -218,7 +220,7 @@ class Journal:
     def save_marks(self, seq: int, marks: Marks) -> None:
         """Record the highest step journaled per metric, as of event ``seq``."""
         self._refuse_newer()
-        atomic_write_text(self.directory / "marks.json", json.dumps({"seq": seq, "marks": marks}) + "\n")
+        self.replace(self.directory / "marks.json", json.dumps({"seq": seq, "marks": marks}) + "\n")
 
     def load_marks(self) -> Marks:
         """The highest step journaled per metric: the saved marks plus the events after them."""

@@ -27,7 +27,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from det_lab.ondisk import warn_once
 from det_lab.tracking.backend import RunStatus
@@ -74,6 +74,14 @@ class DeliverySummary:
         return "tracking summary: " + ("; ".join(parts) if parts else "no tracker configured")
 
 
+class WriteFence(Protocol):
+    """What a trial's fence offers the journal writer (:class:`det_lab.runs.fence.Fence`)."""
+
+    def check(self, what: str) -> None: ...
+
+    def publish(self, path: Path, text: str, what: str) -> None: ...
+
+
 class Mirror:
     """Mirror a run's metrics, params, tags and checkpoints to ``targets`` (``{backend: URI or repo}``).
 
@@ -82,10 +90,16 @@ class Mirror:
     """
 
     def __init__(self, run: RunInfo, targets: Mapping[str, str], journal_dir: Path, *,
-                 interval: float = WRITE_INTERVAL, linger: float = LINGER) -> None:
+                 interval: float = WRITE_INTERVAL, linger: float = LINGER,
+                 fence: WriteFence | None = None) -> None:
         self.run = run
+        #: the trial's fence (det_lab.runs.fence): checked just before each journal write, and what
+        #: publishes the journal's marks and end; a stale copy of the run stops there
+        self._fence = fence
         self.targets = dict(targets)
         self.journal = Journal(journal_dir)
+        if fence is not None:
+            self.journal.replace = lambda path, text: fence.publish(path, text, f"the tracking journal's {path.name}")
         if self.journal.newer is not None:  # a newer det_lab's journal: left alone, and training goes on
             warn_once(self.journal.newer, "this trial's metrics are not mirrored to its trackers (training goes on)")
             self.targets = {}
@@ -280,6 +294,8 @@ class Mirror:
             if not lines and marks is None:
                 return
             try:
+                if self._fence is not None:
+                    self._fence.check("tracking events")
                 if lines:
                     self.journal.write_lines(lines)
                 if marks is not None and seq != self._marks_saved:

@@ -78,6 +78,8 @@ class LabSession:
         self.dataset: PulledDataset | None = None
         #: a scheduler's attempt of the run (Slurm): a stale copy writes nothing and stops (runs.fence)
         self.fence = Fence.from_env(identity.record_dir)
+        if self.fence.active:  # its record's files are replaced and appended through the fence
+            self.record.fence = self.fence
         self.mirror: Mirror | NullMirror = NullMirror(identity.run)
         self.lineage: dict[str, Any] = {}
         self.preempted = False
@@ -140,7 +142,8 @@ class LabSession:
                                        code_and_environment=self.is_chief)
         if self.is_chief:
             self.record.note_lineage(self.lineage)
-            self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking)
+            self.mirror = open_mirror(self.settings, self.identity.run, self.record.journal_dir, self.lab.tracking,
+                                      fence=self.fence if self.fence.active else None)
             self.mirror.log_params(self.identity.hparams)
             self.mirror.set_tags(flatten(tracker_view(self.lineage)))
             self._start_gpu_sampler()
@@ -196,6 +199,9 @@ class LabSession:
     def checkpoint_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
         self.fence.check("a checkpoint")  # called before the checkpoint's files are written
         return {**metadata, "det_lab": self.lineage}
+
+    def checkpoint_written(self, path: Path) -> None:
+        self.fence.check(f"the metadata.json of checkpoint {path.name}")  # what makes it a checkpoint
 
     def on_checkpoint(self, storage_id: str, metadata: dict[str, Any]) -> None:
         step = int(metadata.get("steps_completed", 0))
