@@ -29,7 +29,9 @@ from tests.multihost import Bed, MultiHostCluster, multihost_sshfs, record_timin
 
 @pytest.fixture(scope="module")
 def bed(multihost_sshfs: Bed) -> Bed:  # noqa: F811 (the fixture imported above)
-    multihost_sshfs.lab.env.update(mn.FAST)
+    # the requeued copy waits for the cut-off copy's trainer lock to expire (it cannot release it):
+    # 9 s, refreshed every 3 s, plus flufl's 10 s slop
+    multihost_sshfs.lab.env.update({**mn.FAST, "DET_LAB_LOCK_LIFETIME": "9"})
     return multihost_sshfs
 
 
@@ -79,7 +81,8 @@ def _cursors(run_dir: Path) -> dict[str, int]:
 def test_a_cut_off_node_s_held_up_writes_land_nothing_after_the_heal(bed: Bed):
     c, lab = bed.cluster, bed.lab
     c.wait_nodes(("idle",))
-    config = mn.config_file(lab, "tiny-sshfs.yaml", **{**mn.PACED, "hyperparameters.sleep_per_batch": 0.5})
+    # faster than PACED: the cut-off copy blocks at its next access to the volume, whatever its pace
+    config = mn.config_file(lab, "tiny-sshfs.yaml", **{**mn.PACED, "hyperparameters.sleep_per_batch": 0.25})
     run_dir, job_id = mn.submit(lab, config)
     straight = mn.straight(lab, config)
     mn.wait_for(lambda: mn.past_first_checkpoint(run_dir), 180, "the first checkpoint")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -350,3 +351,63 @@ def test_sender_exits_even_when_a_trackers_exit_handler_hangs(tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 3 and time.monotonic() - started < 60
     assert "exit handlers still busy after 1 s" in proc.stderr
+
+
+class _Tracker:
+    """A backend that takes every batch (what a tracker that answers does); ``hold`` keeps a
+    delivery in flight until it is set (a sender cut off from its tracker and volume)."""
+
+    def __init__(self, name, target):
+        self.delivered: list = []
+        self.hold: threading.Event | None = None
+        self.in_flight = threading.Event()
+
+    def open(self, run, resume_id):
+        return resume_id or "run-1"
+
+    def deliver(self, events):
+        if self.hold is not None:
+            self.in_flight.set()
+            self.hold.wait(30)
+        self.delivered.extend(events)
+
+    def close(self, status):
+        pass
+
+    def describe(self):
+        return "tracker"
+
+
+def test_a_superseded_trial_s_sender_never_moves_the_cursor_back(tmp_path):
+    """The sender of a copy cut off with its volume comes back after the heal with the batch it had
+    in flight: meanwhile the requeued copy's trial took the journal over and its sender delivered
+    further. The old sender writes no cursor and hands over; a sender without a writer (tracking
+    sync) never moves the cursor back either."""
+    from det_lab.tracking.delivery import Sender
+
+    journal = Journal(tmp_path)
+    journal.describe_run(run_info("k"), {"mlflow": "http://tracker"})
+    journal.claim("old-trial")
+    journal.append([Metrics("training", s, {"loss": float(s)}) for s in range(1, 5)])
+    old = Sender(tmp_path, "mlflow", make_backend=_Tracker)
+    old.writer = "old-trial"
+    old.backend.hold = threading.Event()
+    cut_off = threading.Thread(target=old.step)
+    cut_off.start()
+    assert old.backend.in_flight.wait(30)  # events 1-4 on their way when the link drops
+    journal.claim("new-trial")  # the requeued copy takes the journal over; its sender delivers up to 9
+    journal.append([Metrics("training", s, {"loss": float(s)}) for s in range(5, 10)])
+    journal.advance("mlflow", Cursor(9, "run-1"))
+    old.backend.hold.set()  # the heal
+    cut_off.join(30)
+    assert journal.cursor("mlflow").seq == 9 and old.handed_over
+    sync = Sender(tmp_path, "mlflow", make_backend=_Tracker)
+    sync.cursor = Cursor(3, "run-1")
+    sync.backend.hold = threading.Event()
+    late = threading.Thread(target=sync.step)
+    late.start()
+    assert sync.backend.in_flight.wait(30)
+    journal.advance("mlflow", Cursor(9, "run-1"))  # another sender delivered further meanwhile
+    sync.backend.hold.set()
+    late.join(30)
+    assert journal.cursor("mlflow").seq == 9 and not sync.handed_over

@@ -108,6 +108,10 @@ class Sender:
         self.backoff = 1.0
         self.more = True  # the last step delivered a batch: there may be more right away
         self.at_end = False  # the last step found no event after the cursor
+        #: the token of the trial that started this sender (None: ``tracking sync``), and whether a
+        #: newer trial's sender has taken the journal over from it
+        self.writer: str | None = None
+        self.handed_over = False
 
     @property
     def down(self) -> bool:
@@ -134,13 +138,13 @@ class Sender:
             if batch:
                 self.backend.deliver([e for _, e in batch])
                 self.cursor = Cursor(batch[-1][0], self.cursor.run_id)
-                self.journal.advance(self.name, self.cursor)
+                self._advance()
             elif closing:
                 self.backend.close(end.status)  # type: ignore[arg-type,union-attr]
                 self.closed_at, self.opened = end.seq, False  # type: ignore[union-attr]
             if self.cursor.error is not None:
                 self.cursor = Cursor(self.cursor.seq, self.cursor.run_id)
-                self.journal.advance(self.name, self.cursor)
+                self._advance()
             self.more, self.at_end = bool(batch), not batch
         except Exception as exc:
             self._failed(exc, now)
@@ -158,9 +162,22 @@ class Sender:
             log.warning("tracking: %s unreachable (%s); events wait in %s", self.backend.describe(), error,
                         self.journal.directory)
             self.cursor = Cursor(self.cursor.seq, self.cursor.run_id, error)
-            self.journal.advance(self.name, self.cursor)
+            self._advance()
         self.next_try = now + self.backoff
         self.backoff = min(self.backoff * 2, MAX_BACKOFF)
+
+    def _advance(self) -> None:
+        """Record the cursor, unless a newer trial's sender has taken over or another sender has
+        delivered further: a sender of a copy cut off from the volume comes back after the heal
+        with an old cursor, and must not move the journal's back (each read just before the write)."""
+        if self.writer is not None and self.journal.writer() not in (None, self.writer):
+            self.handed_over = True
+            return
+        theirs = self.journal.cursor(self.name).seq
+        if theirs > self.cursor.seq:  # delivered further already: go on from there
+            self.cursor = Cursor(theirs, self.cursor.run_id, self.cursor.error)
+            return
+        self.journal.advance(self.name, self.cursor)
 
     def caught_up(self) -> bool:
         """Everything journaled is delivered, and the run is marked ended if the trial ended it."""
@@ -237,6 +254,9 @@ def serve(sender: Sender, control: Control, writer: str, linger: float) -> None:
             log.info("tracking: a newer trial writes %s; its sender takes over", sender.journal.directory)
             return
         sender.step()
+        if sender.handed_over:
+            log.info("tracking: a newer trial writes %s; its sender takes over", sender.journal.directory)
+            return
         for request in list(waiting):
             kind, rid, seq = request
             if sender.down or (sender.cursor.seq >= seq and (kind == "f" or (sender.closed_at or 0) >= seq)):
@@ -296,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with sender_lock(args.journal, args.backend, None, give_up=trial_gone):
             sender = Sender(args.journal, args.backend)
+            sender.writer = args.writer
             sender.step()  # open the run (and deliver a first batch) before the trial's close waits on us
             control.say("ready")
             serve(sender, control, args.writer, args.linger)
