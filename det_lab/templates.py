@@ -9,6 +9,7 @@ carries the same files as package data under ``det_lab/_templates/`` and ``det_l
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import os
@@ -25,6 +26,8 @@ TEMPLATES_ENV = "DET_LAB_TEMPLATES"
 #: the names templates are known by (help, errors, listings), and their directories
 NAMES = {"vla": "vla", "3dgs": "gaussian_splatting", "isaac": "isaac_lab"}
 NOTEBOOKS = "notebooks"
+#: the file `copy` leaves in a copy: the directory name of the template it came from
+ORIGIN_FILE = ".det-lab-template"
 #: what `copy` leaves out: interpreter caches
 _IGNORE = shutil.ignore_patterns("__pycache__", "*.pyc")
 
@@ -137,6 +140,8 @@ def copy(name: str, dest: Path) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
         shutil.copytree(source, staging / "t", ignore=_IGNORE)
+        if name != NOTEBOOKS:
+            (staging / "t" / ORIGIN_FILE).write_text(origin(source) + "\n")
         if dest.exists():
             dest.rmdir()  # empty, checked above
         (staging / "t").rename(dest)
@@ -201,12 +206,36 @@ REQUIREMENTS: dict[str, tuple[Requirement, ...]] = {
 }
 
 
+def origin(template: Path) -> str:
+    """The directory name of the shipped template ``template`` is, or was copied from ('' for
+    neither): the name itself, the file :func:`copy` leaves in a copy, or (a copy made before copies
+    named it) a ``train.py`` byte-equal to a shipped template's."""
+    if template.name in NAMES.values():
+        return template.name
+    try:
+        recorded = (template / ORIGIN_FILE).read_text().strip()
+    except OSError:
+        recorded = ""
+    if recorded in NAMES.values():
+        return recorded
+    try:
+        train = (template / "train.py").read_bytes()
+    except OSError:
+        return ""
+    for t in available():
+        with contextlib.suppress(OSError):
+            if (t.path / "train.py").read_bytes() == train:
+                return t.path.name
+    return ""
+
+
 def missing_requirements(template: Path, hparams: dict[str, Any]) -> list[str]:
     """One line per optional package the run needs and this interpreter lacks, with its install
-    command; checked before a run starts, so it does not fail after minutes of setup."""
+    command; checked before a run starts, so it does not fail after minutes of setup. A copy of a
+    template (``det-lab templates copy``) is checked as the template it came from."""
     name = name_of(template)
     return [f"template {name} needs {r.module} with these hyperparameters; install it: {r.install}"
-            for r in REQUIREMENTS.get(template.name, ())
+            for r in REQUIREMENTS.get(origin(template), ())
             if r.needed(hparams) and not _importable(r.module)]
 
 

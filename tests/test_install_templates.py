@@ -35,7 +35,8 @@ def test_templates_are_known_by_one_set_of_names():
 def test_copy_is_whole_and_never_overwrites(tmp_path):
     out = templates.copy("isaac", tmp_path / "mine")
     cmp = filecmp.dircmp(REPO / "experiment_templates/isaac_lab", out, ignore=["__pycache__"])
-    assert not (cmp.left_only or cmp.right_only or cmp.diff_files)
+    assert not (cmp.left_only or cmp.diff_files) and cmp.right_only == [templates.ORIGIN_FILE]
+    assert (out / templates.ORIGIN_FILE).read_text() == "isaac_lab\n"
     (out / "const.yaml").write_text("edited")
     with pytest.raises(templates.TemplateError, match="already exists"):
         templates.copy("vla", out)
@@ -97,6 +98,22 @@ def test_isaac_standin_names_rsl_rl_and_its_install_when_it_is_missing(monkeypat
     assert line.startswith("template isaac needs rsl_rl") and templates.RSL_RL_INSTALL in line
     # on Isaac Lab itself (the cluster config) the stand-in, and with it rsl_rl from PyPI, is not used
     assert templates.missing_requirements(isaac, {**standin, "require_isaaclab": True}) == []
+
+
+def test_a_copy_of_a_template_is_checked_as_the_template_it_came_from(tmp_path, monkeypatch):
+    """The walk-throughs run copies (``det-lab templates copy isaac my-isaac``): their optional
+    packages are checked as the original's, also for a copy made before copies named their origin
+    (its train.py is the template's); a directory of one's own is not taken for a template."""
+    standin = {"require_isaaclab": False, "isaaclab_path": None}
+    monkeypatch.delenv("ISAACLAB_PATH", raising=False)
+    monkeypatch.setitem(sys.modules, "rsl_rl", None)
+    mine = templates.copy("isaac", tmp_path / "my-isaac")
+    (line,) = templates.missing_requirements(mine, standin)
+    assert line.startswith("template my-isaac needs rsl_rl") and templates.RSL_RL_INSTALL in line
+    (mine / templates.ORIGIN_FILE).unlink()  # a copy from an older det_lab
+    assert len(templates.missing_requirements(mine, standin)) == 1
+    (mine / "train.py").write_text("print('my own trial')\n")
+    assert templates.missing_requirements(mine, standin) == []
 
 
 # --- through det-lab run ------------------------------------------------------------------------

@@ -255,3 +255,25 @@ def test_one_member_resumes_and_deletes_what_another_wrote(team):
                         group=team.b.gid, extra_groups=[team.gid], capture_output=True, text=True)
     assert rm.returncode == 0, rm.stderr
     assert list(runs.iterdir()) == [] and list(ckpts.iterdir()) == [] and list(cache.iterdir()) == []
+
+
+def test_a_snapshot_another_member_downloaded_unreadable_is_one_line_and_imports_once_readable(team):
+    """safetensors writes its files 0600: b importing the snapshot a downloaded is told which file and
+    what to do, in one line, with nothing written to the store; once a makes it readable it imports."""
+    from tests.test_models_store import write_download
+
+    init = team.det_lab(team.a, "init")
+    assert init.returncode == 0, init.stderr
+    download = write_download(team.base / "a-download")
+    for p in [download, *download.rglob("*")]:
+        os.chown(p, team.a.uid, team.a.gid)
+    assert stat.S_IMODE((download / "model.safetensors").stat().st_mode) == 0o600  # as safetensors leaves it
+    refused = team.det_lab(team.b, "models", "import", str(download), "org/tiny")
+    lines = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(lines) == 1, refused.stderr
+    assert "model.safetensors: not readable by you" in lines[0] and f"chmod -R a+rX {download}" in lines[0]
+    assert not list((team.data / "models").rglob("org*"))
+    subprocess.run(["runuser", "-u", team.a.name, "--", "chmod", "-R", "a+rX", str(download)], check=True)
+    done = team.det_lab(team.b, "models", "import", str(download), "org/tiny")
+    assert done.returncode == 0, done.stderr
+    assert (team.data / "models").exists() and list((team.data / "models").rglob("model.safetensors"))

@@ -128,6 +128,9 @@ def _files(root: Path) -> tuple[SourceFile, ...]:
                                       "download the model again") from None
             if not full.is_file():
                 continue  # a socket or fifo: never a model file
+            if not os.access(full, os.R_OK):  # e.g. safetensors writes 0600: another member's download
+                raise ModelStoreError(f"{full}: not readable by you; let its owner import it, or make the "
+                                      f"snapshot readable (chmod -R a+rX {root})")
             found.append(SourceFile(rel, full, st.st_size))
     if not found:
         raise ModelStoreError(f"{root} holds no files; {_HINT}")
