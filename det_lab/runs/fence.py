@@ -23,13 +23,14 @@ How:
   attempt may have finished. So every write is arranged so that what can still land late is
   refused by the file server or harmless:
 
-  - *Replaced files* (``run.json``, ``tracking-summary.json``): written whole in the attempt's own
+  - *Replaced files* (``run.json``, ``tracking-summary.json``, the tracking journal's ``marks.json``
+    and ``end.json``; by the trial and the Slurm driver): written whole in the attempt's own
     directory ``.attempt-<epoch>/`` beside ``run.json``, checked, then renamed over the file
     (:meth:`Fence.publish`). :func:`begin_attempt` removes every older attempt's directory before
     the new attempt writes anything, so a rename the old copy sent late names a directory that is
     gone, and the file server refuses it: the new record can never be replaced by an old copy's,
     whenever its request arrives. (A copy that finds its directory gone stops, as when stale.)
-  - *Appended files* (``metrics.jsonl``, the tracking journal's events and marks): opened first,
+  - *Appended files* (``metrics.jsonl``, the tracking journal's events): opened first,
     then checked, then written in one call; the journal's writer thread checks before each batch.
     What can still land late is one write sent within microseconds of a check that read the
     file server's current attempt.
@@ -37,6 +38,8 @@ How:
     directory a checkpoint: resume, retention and the record go by it) only after another check.
     A checkpoint becomes the run's only when the record names it, through a published
     ``run.json``; files a stale copy left without one are no checkpoint to det_lab.
+  - *The tracking sender* (a process of its own, :mod:`det_lab.tracking.delivery`): it writes no
+    delivery cursor once a newer trial writes the journal, and never moves one backwards.
 - **A stale copy stops itself**: one log line, its trainer lock released (so the current attempt,
   which waits for that lock before it trains, starts at once), then ``os._exit``: no ``finally``,
   ``atexit`` or mirror flush runs that could still write. Its exit code is
