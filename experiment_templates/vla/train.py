@@ -66,16 +66,14 @@ class ExportPretrained(pytorch.PyTorchCallback):
 
 class VLATrial(LabPyTorchTrial):
     def __init__(self, context: pytorch.PyTorchTrialContext) -> None:
-        super().__init__(context)
         hp = context.get_hparams()
+        choice = parse_policy(hp.get("policy"))
+        _check_scale(hp, choice.is_lerobot, context.distributed.size)  # before the dataset is pulled
+        super().__init__(context)
         self.hp = hp
         if hp.get("torch_threads"):  # small CPU models run faster without intra-op threads fighting
             torch.set_num_threads(int(hp["torch_threads"]))
         self.lerobot: Any = None  # a det_lab.policies.LeRobotTraining when policy.type is LeRobot's
-        choice = parse_policy(hp.get("policy"))
-        if not choice.is_lerobot and int(hp.get("grad_accumulation") or 1) != 1:
-            raise UserError("hyperparameters.grad_accumulation is for LeRobot policies (policy.name: act, ...); "
-                            "the det_lab model trains each global batch in one pass")
         if choice.is_lerobot:
             self._init_lerobot(choice)
             return
@@ -114,15 +112,10 @@ class VLATrial(LabPyTorchTrial):
 
     def _init_lerobot(self, choice: Any) -> None:
         from det_lab.formats import LeRobotDataset, split_episodes
-        from det_lab.policies import PolicyError, PolicyFrames, build_training, dataset_meta
-        from det_lab.runs.expconf import micro_batch_size
+        from det_lab.policies import PolicyFrames, build_training, dataset_meta
 
         hp, ctx = self.hp, self.context
-        if hp.get("bf16"):
-            raise PolicyError("hyperparameters.bf16 is the det_lab model's switch; for a LeRobot policy set "
-                              "hyperparameters.policy.precision: bf16")
         accumulation = int(hp.get("grad_accumulation") or 1)
-        micro_batch_size(ctx.get_global_batch_size(), ctx.distributed.size, accumulation)
         full = LeRobotDataset(self.dataset_path, cameras=hp.get("cameras"))
         train_eps, val_eps = split_episodes(full.episode_indices, val_episodes=int(hp["val_episodes"]),
                                             seed=int(hp.get("split_seed", 0)))
@@ -202,6 +195,26 @@ class VLATrial(LabPyTorchTrial):
         if self.lerobot is not None:
             callbacks["lerobot_pretrained"] = ExportPretrained(self.lerobot)
         return callbacks
+
+
+def _check_scale(hp: dict[str, Any], lerobot: bool, slots: int) -> None:
+    """A trial's own checks, before its dataset is pulled (a config that ``det experiment create``
+    sent had no det-lab preflight): each model's own switches, and a global batch that the ranks and
+    micro-batches divide. The configured ``global_batch_size``, not the context's: Determined rounds
+    that down to a multiple of the slots with only a warning (determined/util.py ``calculate_batch_sizes``)."""
+    from det_lab.policies import PolicyError
+    from det_lab.runs.expconf import micro_batch_size
+
+    accumulation = int(hp.get("grad_accumulation") or 1)
+    if lerobot and hp.get("bf16"):
+        raise PolicyError("hyperparameters.bf16 is the det_lab model's switch; for a LeRobot policy set "
+                          "hyperparameters.policy.precision: bf16")
+    if not lerobot and accumulation != 1:
+        raise UserError("hyperparameters.grad_accumulation is for LeRobot policies (policy.name: act, ...); "
+                        "the det_lab model trains each global batch in one pass")
+    batch = hp.get("global_batch_size")
+    if isinstance(batch, int) and not isinstance(batch, bool):  # (Determined refuses a missing one itself)
+        micro_batch_size(batch, slots, accumulation)
 
 
 def _warmup_cosine(warmup: int, total: int):
