@@ -89,6 +89,16 @@ exec "$@"
 _SOFTWARE = sorted({Path(sys.prefix), Path(__file__).resolve().parents[1]})
 
 
+def in_host(host: Host, hosts_file: Path, data: Path, spare: Path, argv: list[str], volume_server: str = "") -> list[str]:
+    """``argv`` as a root process of ``host`` (``_HOST_SH``): its hostname and ``hosts_file``, a private
+    /tmp (``spare`` its mount point) keeping the software under /tmp, a private /run, ``data`` at the
+    same path (bind-mounted, or with sshfs from ``volume_server``, ``addr:port``)."""
+    keep = " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/"))
+    return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
+            "private", "--", "sh", "-c", _HOST_SH, "sh", host.name, str(hosts_file), str(data), str(spare),
+            keep, volume_server, *argv]
+
+
 @dataclass(frozen=True)
 class Host:
     """One namespace "machine": its netns, hostname (its Slurm node name), address, bridge port."""
@@ -119,11 +129,8 @@ class MultiHostCluster(SlurmCluster):
 
     def host_argv(self, host: Host, argv: list[str]) -> list[str]:
         """``argv`` as a process of ``host``."""
-        return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
-                "private", "--", "sh", "-c", _HOST_SH, "sh", host.name, str(self.dir / "etc" / "hosts"),
-                str(self.data_root), str(self.dir / "host-tmp"),
-                " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/")),
-                self.volume_server if host.index > 0 else "", *argv]
+        return in_host(host, self.dir / "etc" / "hosts", self.data_root, self.dir / "host-tmp", argv,
+                       self.volume_server if host.index > 0 else "")
 
     def start_daemon(self, name: str) -> subprocess.Popen:
         argv, log = self.argvs[name]

@@ -16,7 +16,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.multihost import _HOST_SH, _SOFTWARE, Host, _net_down, _net_up
+from tests.multihost import Host, _net_down, _net_up, in_host
 from tests.standin.task_run import Machine
 
 
@@ -38,12 +38,8 @@ class AgentHosts:
         return self.dir / "etc" / "hosts"
 
     def argv(self, host: Host, argv: list[str]) -> list[str]:
-        """``argv`` as a root process of ``host`` (tests/multihost.py's _HOST_SH: hostname, /etc/hosts,
-        a private /tmp keeping the software under /tmp, a private /run, ``dir`` at the same path)."""
-        keep = " ".join(str(p) for p in _SOFTWARE if str(p).startswith("/tmp/"))
-        return ["nsenter", f"--net=/run/netns/{host.netns}", "unshare", "--uts", "--mount", "--propagation",
-                "private", "--", "sh", "-c", _HOST_SH, "sh", host.name, str(self.hosts_file), str(self.dir),
-                str(self.dir / "host-tmp"), keep, *argv]
+        """``argv`` as a root process of ``host`` (tests/multihost.py's in_host), ``dir`` at the same path."""
+        return in_host(host, self.hosts_file, self.dir, self.dir / "host-tmp", argv)
 
     def machine(self, host: Host) -> Machine:
         """``host`` as the task stand-in's Machine (tests/standin/task_run.py)."""
