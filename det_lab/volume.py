@@ -220,15 +220,20 @@ def _write_marker(marker: Path, settings: LabSettings) -> None:
     atomic_write_text(marker, json.dumps(info, indent=2) + "\n")
 
 
+def write_synced(path: Path, text: str, mode: int = 0o664) -> None:
+    """Write ``text`` to ``path``, on disk (fsync) and with ``mode``, before anything renames it."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(path, mode)
+
+
 def atomic_write_text(path: Path, text: str, mode: int = 0o664) -> None:
     """Write ``path`` so that a reader sees the old file or the whole new one, never a part."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
+        write_synced(tmp, text, mode)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

@@ -77,7 +77,7 @@ from pathlib import Path
 
 from det_lab.data.lock import LockTimeout, VolumeLock
 from det_lab.ondisk import RUN_ATTEMPT, check, stamped
-from det_lab.volume import atomic_write_text
+from det_lab.volume import atomic_write_text, write_synced
 
 log = logging.getLogger("det_lab.trials")
 
@@ -244,11 +244,7 @@ class Fence:
         tmp = self.stage / f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp"
         for retry in (False, True):
             try:
-                with open(tmp, "w") as f:
-                    f.write(text)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.chmod(tmp, mode)
+                write_synced(tmp, text, mode)
                 self.check(what)
                 os.replace(tmp, path)
                 return
