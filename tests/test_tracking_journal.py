@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from det_lab.tracking import journal as journal_mod
-from det_lab.tracking.events import Checkpoint, Metrics, Params, flatten
+from det_lab.tracking.events import Checkpoint, Metrics, Params, RunInfo, flatten
 from det_lab.tracking.journal import Cursor, Journal
 
 
@@ -60,3 +60,28 @@ def test_cursors_and_compaction(tmp_path, monkeypatch):
 
 def test_flatten_nested_hyperparameters():
     assert flatten({"a": 1, "b": {"c": 2.5, "d": {"e": "x"}}}) == {"a": "1", "b.c": "2.5", "b.d.e": "x"}
+
+
+def test_a_cursor_written_from_an_attempt_a_newer_one_revoked_never_lands(tmp_path, monkeypatch):
+    """A fenced trial's sender renames its cursor from the attempt's directory (det_lab.runs.fence):
+    once the next attempt removed that directory, a write the cut-off volume held up (its checks read
+    before the takeover) is refused, the newer cursor stays, and the sender knows it was handed over
+    (seen on the sshfs bed: an old sender set the cursor from 22 back to 8 after the heal)."""
+    from det_lab.tracking.delivery import Sender
+
+    journal_dir = tmp_path / "tracking-journal"
+    j = Journal(journal_dir)
+    j.describe_run(RunInfo(key="vla-r1", name="r1"), {"mlflow": "http://127.0.0.1:1"})
+    j.claim("old-trial")
+    stage = tmp_path / ".attempt-1"
+    stage.mkdir()
+    sender = Sender(journal_dir, "mlflow")
+    sender.writer, sender.stage, sender.cursor = "old-trial", stage, Cursor(8, "run-1")
+    # what it read before the partition: still its trial's journal, nothing delivered further
+    monkeypatch.setattr(sender.journal, "writer", lambda: "old-trial")
+    monkeypatch.setattr(sender.journal, "cursor", lambda backend: Cursor(0))
+    j.advance("mlflow", Cursor(22, "run-1"))  # the requeued copy's sender delivered to 22
+    stage.rmdir()  # attempt 2 began: attempt 1's directory is gone
+    sender._advance()
+    assert Journal(journal_dir).cursor("mlflow").seq == 22 and sender.handed_over
+    assert not list(tmp_path.glob(".attempt-1*"))

@@ -112,6 +112,8 @@ class Sender:
         #: newer trial's sender has taken the journal over from it
         self.writer: str | None = None
         self.handed_over = False
+        #: the trial's attempt directory (``--stage``): cursors are renamed from there (Journal.advance)
+        self.stage: Path | None = None
 
     @property
     def down(self) -> bool:
@@ -177,7 +179,12 @@ class Sender:
         if theirs > self.cursor.seq:  # delivered further already: go on from there
             self.cursor = Cursor(theirs, self.cursor.run_id, self.cursor.error)
             return
-        self.journal.advance(self.name, self.cursor)
+        try:
+            self.journal.advance(self.name, self.cursor, self.stage)
+        except FileNotFoundError:
+            if self.stage is None or self.stage.exists():
+                raise
+            self.handed_over = True  # a newer attempt removed this one's directory: its sender delivers
 
     def caught_up(self) -> bool:
         """Everything journaled is delivered, and the run is marked ended if the trial ended it."""
@@ -302,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", required=True)
     ap.add_argument("--writer", required=True, help="the token of the trial that started this sender")
     ap.add_argument("--linger", type=float, default=120.0)
+    ap.add_argument("--stage", type=Path, default=None, help="the trial's attempt directory (a fenced run)")
     args = ap.parse_args(argv)
     yield_the_cpu()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -317,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         with sender_lock(args.journal, args.backend, None, give_up=trial_gone):
             sender = Sender(args.journal, args.backend)
             sender.writer = args.writer
+            sender.stage = args.stage
             sender.step()  # open the run (and deliver a first batch) before the trial's close waits on us
             control.say("ready")
             serve(sender, control, args.writer, args.linger)

@@ -33,7 +33,7 @@ from pydantic import BaseModel, ValidationError
 from det_lab.errors import UserError
 from det_lab.ondisk import TRACKING_JOURNAL, NewerFormat, check, newer_file, stamped
 from det_lab.tracking.events import Event, Metrics, RunInfo, from_record, to_record
-from det_lab.volume import atomic_write_text
+from det_lab.volume import atomic_write_text, write_synced
 
 SEGMENT_EVENTS = 5000
 READ_BYTES = 1 << 20
@@ -152,9 +152,18 @@ class Journal:
             return Cursor()
         return Cursor(int(data["seq"]), data.get("run_id"), data.get("error"))
 
-    def advance(self, backend: str, cursor: Cursor) -> None:
+    def advance(self, backend: str, cursor: Cursor, stage: Path | None = None) -> None:
+        """Record ``backend``'s cursor; with ``stage`` (the trial's attempt directory) written there and
+        renamed from it: FileNotFoundError once a newer attempt removed it, so a write a cut-off
+        volume held up is refused by the file server when it lands (det_lab.runs.fence)."""
         self._refuse_newer()
-        atomic_write_text(self.directory / f"cursor-{backend}.json", json.dumps(asdict(cursor)) + "\n")
+        path, text = self.directory / f"cursor-{backend}.json", json.dumps(asdict(cursor)) + "\n"
+        if stage is None:
+            atomic_write_text(path, text)
+            return
+        tmp = stage / f".{path.name}.{os.getpid()}.tmp"
+        write_synced(tmp, text)
+        os.replace(tmp, path)
 
     def compact(self, backends: Iterable[str]) -> None:
         """Delete segments whose events every backend has delivered (never the last one).

@@ -128,7 +128,9 @@ class Mirror:
         backlog = {b: self.journal.pending(b) for b in self.targets}
         if any(backlog.values()):
             log.info("tracking: undelivered events in %s are sent first: %s", journal_dir, backlog)
-        self._senders = [SenderProcess(journal_dir, b, token, linger) for b in self.targets]
+        stage = getattr(fence, "stage", None) if getattr(fence, "active", False) else None
+        stage = stage if isinstance(stage, Path) and stage.is_dir() else None  # made when the attempt began
+        self._senders = [SenderProcess(journal_dir, b, token, linger, stage) for b in self.targets]
         for s in self._senders:
             s.start()
         self._thread = threading.Thread(target=self._run, name="det-lab-journal", daemon=True)

@@ -26,8 +26,9 @@ RESTART_BACKOFF_MAX = 60.0
 class SenderProcess:
     """One backend's sender for one journal, started by the trial's mirror."""
 
-    def __init__(self, journal_dir: Path, backend: str, writer: str, linger: float) -> None:
+    def __init__(self, journal_dir: Path, backend: str, writer: str, linger: float, stage: Path | None = None) -> None:
         self.journal_dir = journal_dir
+        self.stage = stage
         self.backend = backend
         self.writer = writer
         self.linger = linger
@@ -52,7 +53,8 @@ class SenderProcess:
         with open(self.log_path, "ab") as err:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "det_lab.tracking.delivery", str(self.journal_dir), "--backend", self.backend,
-                 "--writer", self.writer, "--linger", str(self.linger)],
+                 "--writer", self.writer, "--linger", str(self.linger),
+                 *(["--stage", str(self.stage)] if self.stage is not None else [])],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True,
             )
         os.set_blocking(self.proc.stdin.fileno(), False)
