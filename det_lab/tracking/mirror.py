@@ -81,6 +81,11 @@ class WriteFence(Protocol):
 
     def publish(self, path: Path, text: str, what: str) -> None: ...
 
+    @property
+    def stage(self) -> Path:
+        """The attempt's directory, which the next attempt removes (its senders rename cursors from it)."""
+        ...
+
 
 class Mirror:
     """Mirror a run's metrics, params, tags and checkpoints to ``targets`` (``{backend: URI or repo}``).
@@ -128,8 +133,7 @@ class Mirror:
         backlog = {b: self.journal.pending(b) for b in self.targets}
         if any(backlog.values()):
             log.info("tracking: undelivered events in %s are sent first: %s", journal_dir, backlog)
-        stage = getattr(fence, "stage", None) if getattr(fence, "active", False) else None
-        stage = stage if isinstance(stage, Path) and stage.is_dir() else None  # made when the attempt began
+        stage = fence.stage if fence is not None and fence.stage.is_dir() else None  # made when the attempt began
         self._senders = [SenderProcess(journal_dir, b, token, linger, stage) for b in self.targets]
         for s in self._senders:
             s.start()
