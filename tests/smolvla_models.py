@@ -119,6 +119,7 @@ def _load(checkpoint: Path, base: Path) -> dict[str, Any]:
     pre, post = make_pre_post_processors(policy.config, pretrained_path=str(pretrained))
     loaded = policy.state_dict()
     saved = torch.load(checkpoint / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
+    saved = {k.removeprefix("module."): v for k, v in saved.items()}  # several slots: Determined saves DDP's names
     start = load_file(base / "model.safetensors")
     # the dataset's sizes, as its normaliser holds them (the config keeps the base's padded ones)
     sizes = {k: tuple(torch.as_tensor(v["mean"]).shape) for step in pre.steps for k, v in

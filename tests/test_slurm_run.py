@@ -28,9 +28,9 @@ VLA_SETS = ["--set", "data.det_lab.max_length.batches=20", "--set", "min_validat
 
 
 @pytest.fixture(scope="module")
-def slurm_lab(tmp_path_factory, mlflow_server, slurm_cluster: SlurmCluster, slurm_volume: Path) -> Lab:
+def slurm_lab(tmp_path_factory, shared_mlflow_server, slurm_cluster: SlurmCluster, slurm_volume: Path) -> Lab:
     """A lab on the test Slurm and its volume (the VLA demo and the tiny regression data), MLflow tracking."""
-    return make_slurm_lab(tmp_path_factory.mktemp("slurm-lab"), mlflow_server.uri, slurm_cluster, slurm_volume)
+    return make_slurm_lab(tmp_path_factory.mktemp("slurm-lab"), shared_mlflow_server.uri, slurm_cluster, slurm_volume)
 
 
 def runs_dir(lab: Lab) -> Path:
@@ -59,7 +59,7 @@ def wait_until(predicate, timeout: float, what: str) -> None:
         time.sleep(0.3)
 
 
-def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
+def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, shared_mlflow_server):
     proc = slurm_lab.cli("run", "vla", "--slurm", "--wait", *VLA_SETS)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_dir = run_named(slurm_lab, proc.stdout)
@@ -85,7 +85,7 @@ def test_vla_trains_to_the_end_through_slurm_wait(slurm_lab, mlflow_server):
     summary = json.loads((run_dir / "tracking-summary.json").read_text())
     (backend,) = summary["backends"]
     assert backend["pending"] == 0
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(shared_mlflow_server.uri)
     run = client.get_run(backend["run_id"])
     assert run.info.status == "FINISHED" and run.data.tags["slurm.job_id"] == job_id
     history = sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, "validation/val_action_l1"))
@@ -112,7 +112,7 @@ def _submit_waiting(lab: Lab, *args: str) -> tuple[subprocess.Popen, Path]:
     return proc, run_dir
 
 
-def test_two_slots_train_one_run_as_two_ranks(slurm_lab, mlflow_server):
+def test_two_slots_train_one_run_as_two_ranks(slurm_lab, shared_mlflow_server):
     """resources.slots_per_trial: 2 is one job holding both GPUs, its trial under torchrun as two
     ranks (gloo on this CPU-only node): one run record and one tracker run, every step once."""
     proc, run_dir = _submit_waiting(slurm_lab, "--set", "resources.slots_per_trial=2")
@@ -127,11 +127,11 @@ def test_two_slots_train_one_run_as_two_ranks(slurm_lab, mlflow_server):
     assert [r["step"] for r in training] == list(range(10, 81, 10))  # the chief alone reports, once
     assert training[-1]["metrics"]["epochs"] == 80 // 13
     (backend,) = json.loads((run_dir / "tracking-summary.json").read_text())["backends"]
-    history = MlflowClient(mlflow_server.uri).get_metric_history(backend["run_id"], "training/loss")
+    history = MlflowClient(shared_mlflow_server.uri).get_metric_history(backend["run_id"], "training/loss")
     assert sorted(m.step for m in history) == list(range(10, 81, 10))
 
 
-def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, mlflow_server):
+def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab, slurm_cluster, shared_mlflow_server):
     config = tiny_config(slurm_lab, "tiny-slow.yaml", **{"hyperparameters.sleep_per_batch": 0.05})
     # the uninterrupted run trains beside the one that is requeued (the node has two GPUs)
     straight, straight_dir = _submit_waiting(slurm_lab, "--exp-config", str(config))
@@ -165,7 +165,7 @@ def test_requeued_job_resumes_with_the_losses_of_an_uninterrupted_run(slurm_lab,
         assert got == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
     summary = json.loads((run_dir / "tracking-summary.json").read_text())
-    client = MlflowClient(mlflow_server.uri)
+    client = MlflowClient(shared_mlflow_server.uri)
     (backend,) = summary["backends"]
     steps = [m.step for m in client.get_metric_history(backend["run_id"], "training/loss")]
     assert steps == sorted(set(steps)) and steps[-1] == 80  # one tracker run, each step once
@@ -349,6 +349,11 @@ def _has_smolvla_packages() -> bool:
     return all(__import__("importlib").util.find_spec(m) for m in ("transformers", "num2words"))
 
 
+#: SmolVLA's VLM trained too, on two ranks: its last layer's queries and MLP never reach the loss, which
+#: DDP refuses at the second step unless it looks for unused parameters, as lerobot-train's accelerate does
+SMOLVLA_TWO_RANKS = ("--set", "resources.slots_per_trial=2", "--set", "hyperparameters.policy.train_expert_only=false")
+
+
 @pytest.fixture(scope="module")
 def lerobot_jobs(slurm_lab, tmp_path_factory) -> Iterator[dict[str, Any]]:
     """act.yaml and smolvla.yaml (both shrunk) through det-lab run --slurm --wait side by side (the
@@ -387,7 +392,7 @@ def lerobot_jobs(slurm_lab, tmp_path_factory) -> Iterator[dict[str, Any]]:
                     tiny = stack.enter_context(ModelsChild(tmp / "tiny", slurm_lab.root))
                     for src, name in tiny.models():
                         slurm_lab.cli("models", "import", str(src), name, check=True)
-                    smolvla = submit(SMOLVLA_YAML, *run_sets())
+                    smolvla = submit(SMOLVLA_YAML, *run_sets(), *SMOLVLA_TWO_RANKS)
                 except AssertionError as exc:
                     failed = str(exc)
             yield {"act": finished(act), "smolvla": finished(smolvla) if smolvla else failed, "tiny": tiny}
@@ -429,11 +434,11 @@ def test_lerobots_act_trains_through_slurm_and_each_checkpoint_holds_its_pretrai
 @pytest.mark.skipif(not _has_smolvla_packages(),
                     reason="needs transformers and num2words (SmolVLA's VLM): pip install -e '.[test]'")
 def test_smolvla_fine_tunes_from_the_volumes_model_store_as_a_slurm_job(slurm_lab, lerobot_jobs):
-    """smolvla.yaml (shrunk: tests/smolvla_models.py) through det-lab run --slurm --wait: the job
-    fine-tunes the tiny SmolVLA base and VLM imported into the volume's model store, offline (the
-    job's HF_HOME at the store, HF_HUB_OFFLINE=1; this machine has no hub), its lineage naming
-    both; its checkpoint's pretrained_model/ loads with SmolVLAPolicy.from_pretrained, offline from
-    the store, to the trial's own weights."""
+    """smolvla.yaml (shrunk: tests/smolvla_models.py) through det-lab run --slurm --wait on two ranks, its
+    VLM trained too (:data:`SMOLVLA_TWO_RANKS`): the job fine-tunes the tiny SmolVLA base and VLM
+    imported into the volume's model store, offline (the job's HF_HOME at the store, HF_HUB_OFFLINE=1;
+    this machine has no hub), its lineage naming both; its checkpoint's pretrained_model/ loads with
+    SmolVLAPolicy.from_pretrained, offline from the store, to the trial's own weights."""
     from tests.smolvla_models import assert_loads_as_trained
     from tests.tiny_smolvla import BASE_ID, BASE_KEYS, VLM_ID
 
@@ -444,8 +449,11 @@ def test_smolvla_fine_tunes_from_the_volumes_model_store_as_a_slurm_job(slurm_la
     run_dir = run_named(slurm_lab, proc.stdout)
     st = state(run_dir)
     assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [3]
-    assert sorted(metrics(run_dir, "training", "loss")) == [1, 2, 3]
+    assert sorted(metrics(run_dir, "training", "loss")) == [1, 2, 3]  # each step once: the chief's
     assert sorted(metrics(run_dir, "validation", "val_action_l1")) == [3]
     assert {m["name"] for m in st["lineage"]["models"]} == {BASE_ID, VLM_ID}
+    assert "#SBATCH --gres=gpu:2" in (run_dir / "job.sbatch").read_text()  # one job, its trial as two ranks
     checkpoint = slurm_lab.root / "checkpoints" / "vla" / st["checkpoints"][0]["uuid"]
-    assert_loads_as_trained(lerobot_jobs["tiny"].load([checkpoint])[str(checkpoint)], BASE_KEYS["chunk_size"])
+    seen = lerobot_jobs["tiny"].load([checkpoint])[str(checkpoint)]
+    assert_loads_as_trained(seen, BASE_KEYS["chunk_size"])
+    assert any(".text_model.layers.0." in k for k in seen["moved"]), seen["moved"]  # the VLM trained too

@@ -8,9 +8,14 @@ rank 0 of 1: all of them would write checkpoints, records and tracker points.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
+from typing import Any
 
 import determined as det
+
+logger = logging.getLogger("det_lab.trials")
 
 
 def off_cluster_distributed(on_cluster: bool) -> det.core.DistributedContext | None:
@@ -27,3 +32,27 @@ def off_cluster_distributed(on_cluster: bool) -> det.core.DistributedContext | N
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     return det.core.DistributedContext.from_torch_distributed()
+
+
+def wrap_model_finding_unused(context: Any, model: Any) -> Any:
+    """``context.wrap_model(model)``, its DistributedDataParallel built with ``find_unused_parameters=True``.
+
+    ``lerobot-train`` prepares every policy so (lerobot 0.4.4, ``scripts/lerobot_train.py:175-179``):
+    a policy may leave trainable parameters out of a step's loss. SmolVLA with
+    ``train_expert_only: false`` leaves its VLM's last layer and final norm out (LeRobot's own
+    freezing of them, ``smolvlm_with_expert.py:149-164``, matches transformers' older parameter
+    names only), and DDP without the flag stops the second step with "Expected to have finished
+    reduction in the prior iteration". Determined 0.38.1 builds its DDP with no options
+    (``harness/determined/pytorch/_pytorch_context.py:297`` and ``:1057-1066``): for this one call
+    the context's wrapper class is one that passes the flag. On one process nothing changes.
+    """
+    base = getattr(type(context), "_PyTorchDistributedDataParallel", None)
+    if base is None:  # a harness without that class: its own DDP, which may stop on unused parameters
+        logger.warning("this Determined harness builds DDP itself: a policy that leaves parameters unused "
+                       "may stop at its second step under several slots")
+        return context.wrap_model(model)
+    context._PyTorchDistributedDataParallel = functools.partial(base, find_unused_parameters=True)
+    try:
+        return context.wrap_model(model)
+    finally:
+        del context._PyTorchDistributedDataParallel

@@ -21,6 +21,7 @@ that many equal micro-batches, one optimizer step: the global batch is kept) and
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -35,6 +36,7 @@ from determined import pytorch
 from dataset import CachedPolicyFrames, collate_batch, load_splits
 from det_lab.errors import UserError
 from det_lab.policies.choice import parse_policy
+from det_lab.trials.distributed import wrap_model_finding_unused
 from det_lab.trials.pytorch import LabPyTorchTrial, run
 from device_feed import OneBatchLate, to_device
 from frame_cache import resolve_cache_dir
@@ -121,7 +123,7 @@ class VLATrial(LabPyTorchTrial):
                                             seed=int(hp.get("split_seed", 0)))
         self.lerobot = build_training(
             choice, dataset_meta(full), device=ctx.device, total_steps=self._total_batches(len(full.select(train_eps))),
-            wrap_model=ctx.wrap_model, wrap_optimizer=ctx.wrap_optimizer,
+            wrap_model=functools.partial(wrap_model_finding_unused, ctx), wrap_optimizer=ctx.wrap_optimizer,
             wrap_scheduler=lambda s: ctx.wrap_lr_scheduler(s, step_mode=pytorch.LRScheduler.StepMode.MANUAL_STEP),
             accumulation=accumulation)
         delta = self.lerobot.delta_indices
