@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+# One intra-op thread per torch process (what OMP_NUM_THREADS sets at torch's start), in this
+# process and every process it starts: 3 workers on 2 cores run many trainings at once, and each
+# torch's OpenMP threads spin while they wait for the others, which burned ~18 % of a LeRobot
+# module's CPU. Comparisons stay like with like: a test's reference and det_lab's run both see it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 from tests.aim_fixtures import aim_server  # noqa: F401  (a fixture: a real `aim server` per module)
 
 VENV_BIN = Path(sys.executable).parent
@@ -158,14 +164,16 @@ def mlflow_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def shared_mlflow_server(tmp_path_factory):
-    """One real ``mlflow server`` for the modules that only read their own runs back from it."""
-    yield from _serve_mlflow(tmp_path_factory.mktemp("mlflow-shared"))
+    """One real ``mlflow server`` for the modules that only read their own runs back from it (by run
+    id, or by a tag only their runs carry): starting one costs ~11 s of CPU. It also answers to
+    ``lab-mlflow``, the name the Determined stand-in's tasks reach it by (tests/test_determined_templates.py)."""
+    yield from _serve_mlflow(tmp_path_factory.mktemp("mlflow-shared"), allowed_hosts=["lab-mlflow"])
 
 
-def _serve_mlflow(root: Path):
+def _serve_mlflow(root: Path, allowed_hosts: list[str] | None = None):
     from det_lab.tracking.mlflow_server import MlflowServer, free_port
 
-    server = MlflowServer(root, free_port()).start()
+    server = MlflowServer(root, free_port(), allowed_hosts=allowed_hosts or []).start()
     yield server
     server.stop()
 

@@ -68,8 +68,10 @@ def submit(lab: Lab, config: Path) -> tuple[Path, str]:
 
 
 def straight(lab: Lab, config: Path) -> subprocess.Popen:
-    """The same config trained uninterrupted, on the login node (no node to lose), side by side."""
-    return subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--exp-config", str(config)],
+    """The same config trained uninterrupted, on the login node (no node to lose), side by side, unpaced
+    (the pause after each batch changes no loss: nothing races this run)."""
+    return subprocess.Popen([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--exp-config", str(config),
+                             "--set", "hyperparameters.sleep_per_batch=0"],
                             env=lab.env, cwd=lab.config.parent, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 

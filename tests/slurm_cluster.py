@@ -186,9 +186,11 @@ def _start_mariadb(cluster: SlurmCluster, port: int, password: str) -> None:
     Slurm's database and user."""
     base = cluster.dir
     sock = base / "mysql.sock"
-    subprocess.run([_binary("mariadb-install-db"), "--user=root", f"--datadir={base / 'db'}",
-                    "--auth-root-authentication-method=socket", "--skip-test-db"],
-                   check=True, capture_output=True, timeout=120)
+    made = subprocess.run([_binary("mariadb-install-db"), "--user=root", f"--datadir={base / 'db'}",
+                           "--auth-root-authentication-method=socket", "--skip-test-db"],
+                          capture_output=True, text=True, timeout=120)
+    if made.returncode != 0:
+        raise RuntimeError(f"mariadb-install-db failed ({made.returncode}): {(made.stdout + made.stderr)[-3000:]}")
     cluster.argvs["mariadbd"] = ([_binary("mariadbd"), "--no-defaults", "--user=root", f"--datadir={base / 'db'}",
                                   f"--socket={sock}", f"--port={port}", "--bind-address=127.0.0.1",
                                   f"--pid-file={base / 'mariadbd.pid'}", "--innodb-buffer-pool-size=64M",

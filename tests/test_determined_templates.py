@@ -6,7 +6,9 @@ the ``torch_distributed`` launcher) in a bubblewrap sandbox as a linked non-root
 master config det_lab renders (its task-container defaults, the volume's mounts, shared_fs storage).
 
 What a researcher reads afterwards is what these tests check: the master's record (what the Web UI
-shows), the checkpoints on the volume and through the SDK, the run's own metrics.
+shows), the checkpoints on the volume and through the SDK, the run's own metrics. Several slots
+(one process per slot under the launcher, the chief alone reporting and saving) are
+tests/test_vla_distributed.py's, with LeRobot's ACT on the same cluster chain.
 """
 
 from __future__ import annotations
@@ -123,17 +125,14 @@ class DetCluster:
 
 
 @pytest.fixture(scope="module")
-def det_cluster(lab, harness_wheels, tmp_path_factory):  # noqa: F811
-    from det_lab.tracking.mlflow_server import MlflowServer, free_port
-
+def det_cluster(lab, harness_wheels, shared_mlflow_server):  # noqa: F811
     if not DET.exists():
         pytest.skip("needs Determined's det CLI")
-    # the lab's MLflow server as 'det-lab tracking serve' runs it: answering the name tasks use for it
-    mlflow = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port(), allowed_hosts=["lab-mlflow"]).start()
-    cluster = DetCluster(lab, harness_wheels, mlflow.uri)
+    # the lab's MLflow server as 'det-lab tracking serve' runs it, answering the name tasks use for it;
+    # this module's runs are told apart by the master's cluster id (_mlflow_history)
+    cluster = DetCluster(lab, harness_wheels, shared_mlflow_server.uri)
     yield cluster
     cluster.close()
-    mlflow.stop()
 
 
 def _expconf(template: str, config: str, **lab_section: Any) -> dict[str, Any]:
@@ -432,19 +431,6 @@ def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_l
     # line for any rank that exits non-zero: Determined's own)
     assert "Traceback" not in logs.split(line)[0], logs[-3000:]
     assert not _master_metrics(det_cluster, trial) and not _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
-
-
-def test_two_slots_train_two_ranks_through_the_torch_distributed_launcher_and_the_chief_alone_reports(det_cluster):
-    """launch/torch_distributed.py: one process per slot (gloo on CPU); core/_train.py reports from the
-    chief only, and det_lab's mirror is the chief's: every metric once at the master and in MLflow."""
-    conf = _vla_conf()
-    conf["data"]["det_lab"]["max_length"] = {"batches": 20}
-    conf["resources"]["slots_per_trial"] = 2
-    exp_id = det_cluster.create("vla", conf)
-    trial = _check_one_trial(det_cluster, exp_id, "checkpoints/vla")
-    assert [s for s, _ in _master_metrics(det_cluster, trial)["training"]] == [10, 20]
-    logs = det_cluster.det("trial", "logs", str(trial.id)).stdout
-    assert "[rank=0]" in logs and "[rank=1]" in logs  # both ranks ran (ship_logs.py's rank prefix)
 
 
 def test_a_fork_from_the_web_ui_trains_with_the_changed_hyperparameter(det_cluster, vla_run):

@@ -44,7 +44,7 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def world(mlflow_server, tmp_path_factory):
+def world(shared_mlflow_server, tmp_path_factory):
     """A lab tracking to MLflow, the tiny dataset published, the tiny trial committed in a git
     repository of its own, and one run ``orig`` of it at that commit."""
     tmp = tmp_path_factory.mktemp("repro")
@@ -54,7 +54,7 @@ def world(mlflow_server, tmp_path_factory):
                HOME=str(tmp / "home"))
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
     # MLflow for every run; an Aim repository for the runs that ask for both (data.det_lab.tracking)
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri, "aim_repo": str(tmp / "aim")})
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": shared_mlflow_server.uri, "aim_repo": str(tmp / "aim")})
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     publish_tiny_data(settings, tmp)
@@ -66,7 +66,7 @@ def world(mlflow_server, tmp_path_factory):
     lab.repo, lab.settings, lab.tmp = repo, settings, tmp
     lab.first_commit = git(repo, "rev-parse", "HEAD")
     ok(lab.cli("run", str(repo / "trial"), "--local", "--run", "orig"))
-    lab.mlflow = MlflowClient(mlflow_server.uri)
+    lab.mlflow = MlflowClient(shared_mlflow_server.uri)
     return lab
 
 

@@ -28,7 +28,7 @@ TINY = Path(__file__).parent / "fixtures" / "tiny"
 
 
 @pytest.fixture(scope="module")
-def tiny_lab(mlflow_server, tmp_path_factory) -> Lab:
+def tiny_lab(shared_mlflow_server, tmp_path_factory) -> Lab:
     """One lab for the module, the tiny regression dataset published and MLflow as its tracker;
     each test names its own runs (``--run``) and finds them by name."""
     tmp = tmp_path_factory.mktemp("tiny-lab")
@@ -38,11 +38,11 @@ def tiny_lab(mlflow_server, tmp_path_factory) -> Lab:
     env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
                HOME=str(tmp / "home"))
     lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": mlflow_server.uri})
+    lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": shared_mlflow_server.uri})
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     publish_tiny_data(settings, tmp)
-    lab.mlflow = MlflowClient(mlflow_server.uri)
+    lab.mlflow = MlflowClient(shared_mlflow_server.uri)
     return lab
 
 

@@ -62,16 +62,12 @@ def _act(slots: int, checkpoint_every: int, **hparams: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster(lab, harness_wheels, tmp_path_factory):  # noqa: F811
-    from det_lab.tracking.mlflow_server import MlflowServer, free_port
-
+def cluster(lab, harness_wheels, shared_mlflow_server):  # noqa: F811
     if not DET.exists():
         pytest.skip("needs Determined's det CLI")
-    mlflow = MlflowServer(tmp_path_factory.mktemp("mlflow"), free_port(), allowed_hosts=["lab-mlflow"]).start()
-    cluster = DetCluster(lab, harness_wheels, mlflow.uri, slots=6)
+    cluster = DetCluster(lab, harness_wheels, shared_mlflow_server.uri, slots=6)
     yield cluster
     cluster.close()
-    mlflow.stop()
 
 
 @pytest.fixture(scope="module")

@@ -111,4 +111,6 @@ def make_image(base: Path, *, without: tuple[str, ...] = ("determined",), probe_
         if probe.returncode != 0:
             raise RuntimeError(f"the task image's python does not run as uid {probe_uid}: {probe.stderr[-300:]}")
     # the image's ENV puts its Python first, as a Dockerfile's ENV PATH=/opt/venv/bin:$PATH does
-    return Image(venv / "bin", env={"PATH": f"{venv / 'bin'}:{DOCKER_DEFAULT_PATH}"}, dirs=[base, purelib])
+    # and the test session's thread count for torch (tests/conftest.py), as a lab's image sets it with ENV
+    threads = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}
+    return Image(venv / "bin", env={"PATH": f"{venv / 'bin'}:{DOCKER_DEFAULT_PATH}", **threads}, dirs=[base, purelib])
