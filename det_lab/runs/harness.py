@@ -97,6 +97,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
                 "the chief's preemption watcher, whose flag a searcher's early stop raises (trials/searcher_stop.py)"),
     PrivateName("determined.core._preempt._PreemptionWatcher", "_should_preempt", None,
                 "determined/core/_preempt.py:42", "the flag should_preempt() answers (and broadcasts) on the chief"),
+    PrivateName("determined.pytorch.PyTorchTrialContext", "_PyTorchDistributedDataParallel", None,
+                "determined/pytorch/_pytorch_context.py:297, :1057-1066",
+                "the DDP class wrap_model builds with no options (trials/distributed.py passes one)"),
     PrivateName("numpy._core.multiarray", "_reconstruct", None, "numpy (not determined)",
                 "shim 1: what the harness's pickled numpy RNG state refers to"),
 )
@@ -129,8 +132,8 @@ def check_private_names() -> list[str]:
             problems.append(f"{p.owner}: cannot import ({exc})")
             continue
         if p.params is None:
-            if isinstance(owner, type):
-                # an instance attribute: assigned in __init__
+            if isinstance(owner, type) and p.name not in vars(owner):
+                # an instance attribute (not one of the class's own): assigned in __init__
                 if f"self.{p.name} =" not in inspect.getsource(owner.__init__):
                     problems.append(f"{p.owner}.__init__ no longer sets self.{p.name} ({p.upstream})")
             elif not hasattr(owner, p.name):
@@ -167,6 +170,17 @@ def raise_preemption_flag(preempt: Any) -> bool:
 def core_context_of(pytorch_context: Any) -> Any:
     """The ``det.core.Context`` a ``PyTorchTrialContext`` trains with."""
     return pytorch_context._core
+
+
+def wrap_model_with_ddp_options(pytorch_context: Any, model: Any, **options: Any) -> Any:
+    """``pytorch_context.wrap_model(model)``, the DistributedDataParallel it builds on several slots
+    given ``options``; raises AttributeError where the harness has no such class to swap."""
+    base = type(pytorch_context)._PyTorchDistributedDataParallel
+    pytorch_context._PyTorchDistributedDataParallel = functools.partial(base, **options)
+    try:
+        return pytorch_context.wrap_model(model)
+    finally:
+        del pytorch_context._PyTorchDistributedDataParallel
 
 
 # --- interception ------------------------------------------------------------------------------------

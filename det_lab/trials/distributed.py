@@ -8,7 +8,6 @@ rank 0 of 1: all of them would write checkpoints, records and tracker points.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 from typing import Any
@@ -44,15 +43,14 @@ def wrap_model_finding_unused(context: Any, model: Any) -> Any:
     names only), and DDP without the flag stops the second step with "Expected to have finished
     reduction in the prior iteration". Determined 0.38.1 builds its DDP with no options
     (``harness/determined/pytorch/_pytorch_context.py:297`` and ``:1057-1066``): for this one call
-    the context's wrapper class is one that passes the flag. On one process nothing changes.
+    the context's wrapper class is one that passes the flag (det_lab/runs/harness.py, which checks
+    that name against the pinned package). On one process nothing changes.
     """
-    base = getattr(type(context), "_PyTorchDistributedDataParallel", None)
-    if base is None:  # a harness without that class: its own DDP, which may stop on unused parameters
+    from det_lab.runs.harness import wrap_model_with_ddp_options
+
+    try:
+        return wrap_model_with_ddp_options(context, model, find_unused_parameters=True)
+    except AttributeError:  # a harness without that class: its own DDP, which may stop on unused parameters
         logger.warning("this Determined harness builds DDP itself: a policy that leaves parameters unused "
                        "may stop at its second step under several slots")
         return context.wrap_model(model)
-    context._PyTorchDistributedDataParallel = functools.partial(base, find_unused_parameters=True)
-    try:
-        return context.wrap_model(model)
-    finally:
-        del context._PyTorchDistributedDataParallel
