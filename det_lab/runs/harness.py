@@ -172,10 +172,12 @@ def core_context_of(pytorch_context: Any) -> Any:
     return pytorch_context._core
 
 
-def wrap_model_with_ddp_options(pytorch_context: Any, model: Any, **options: Any) -> Any:
+def wrap_model_with_ddp_options(pytorch_context: Any, model: Any, **options: Any) -> Any | None:
     """``pytorch_context.wrap_model(model)``, the DistributedDataParallel it builds on several slots
-    given ``options``; raises AttributeError where the harness has no such class to swap."""
-    base = type(pytorch_context)._PyTorchDistributedDataParallel
+    given ``options``; None, with nothing wrapped, where the harness has no such class to swap."""
+    base = getattr(type(pytorch_context), "_PyTorchDistributedDataParallel", None)
+    if base is None:
+        return None
     pytorch_context._PyTorchDistributedDataParallel = functools.partial(base, **options)
     try:
         return pytorch_context.wrap_model(model)

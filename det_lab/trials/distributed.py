@@ -14,7 +14,7 @@ from typing import Any
 
 import determined as det
 
-logger = logging.getLogger("det_lab.trials")
+log = logging.getLogger("det_lab.trials")
 
 
 def off_cluster_distributed(on_cluster: bool) -> det.core.DistributedContext | None:
@@ -48,9 +48,9 @@ def wrap_model_finding_unused(context: Any, model: Any) -> Any:
     """
     from det_lab.runs.harness import wrap_model_with_ddp_options
 
-    try:
-        return wrap_model_with_ddp_options(context, model, find_unused_parameters=True)
-    except AttributeError:  # a harness without that class: its own DDP, which may stop on unused parameters
-        logger.warning("this Determined harness builds DDP itself: a policy that leaves parameters unused "
-                       "may stop at its second step under several slots")
-        return context.wrap_model(model)
+    wrapped = wrap_model_with_ddp_options(context, model, find_unused_parameters=True)
+    if wrapped is None:  # a harness without that class: its own DDP, which may stop on unused parameters
+        log.warning("this Determined harness builds DDP itself: a policy that leaves parameters unused "
+                    "may stop at its second step under several slots")
+        wrapped = context.wrap_model(model)
+    return wrapped
