@@ -26,15 +26,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path("/sys/fs/cgroup/cpuacct")
 OUT_ENV = "SUITE_CPU_OUT"
+#: the workers' cgroups are named after the run (the pid of this script), which removes them at its end
+RUN_ENV = "SUITE_CPU_RUN"
 
 
 class _WorkerProfile:
     """Registered in each xdist worker: its cgroup and a JSON line per test."""
 
     def __init__(self, worker: str, out: Path) -> None:
-        self.cgroup = ROOT / f"det-lab-suite-{os.getpid()}-{worker}"
+        self.cgroup = ROOT / f"det-lab-suite-{os.environ.get(RUN_ENV, os.getppid())}-{worker}"
         self.cgroup.mkdir(exist_ok=True)
         (self.cgroup / "cgroup.procs").write_text(str(os.getpid()))
         out.mkdir(parents=True, exist_ok=True)
@@ -43,17 +47,14 @@ class _WorkerProfile:
     def _usage(self) -> float:
         return int((self.cgroup / "cpuacct.usage").read_text()) / 1e9
 
+    @pytest.hookimpl(hookwrapper=True)
     def pytest_runtest_protocol(self, item: Any, nextitem: Any) -> Any:  # noqa: ARG002
-        import pytest  # noqa: F401  (hookwrapper below)
-
         cpu, start = self._usage(), time.monotonic()
         yield
         self.rows.write(json.dumps({"id": item.nodeid, "cpu": self._usage() - cpu,
                                     "wall": time.monotonic() - start}) + "\n")
         self.rows.flush()
 
-
-_WorkerProfile.pytest_runtest_protocol.hookwrapper = True  # type: ignore[attr-defined]
 
 
 def pytest_configure(config: Any) -> None:
@@ -83,11 +84,19 @@ def main(argv: list[str]) -> int:
         print("error: needs root and cgroup v1's cpuacct at /sys/fs/cgroup/cpuacct", file=sys.stderr)
         return 2
     out = Path(os.environ.get(OUT_ENV) or tempfile.mkdtemp(prefix="suite-cpu-"))
-    env = {**os.environ, OUT_ENV: str(out),
+    env = {**os.environ, OUT_ENV: str(out), RUN_ENV: str(os.getpid()),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    code = subprocess.call([sys.executable, "-m", "pytest", "-p", "suite_cpu", *argv],
-                           cwd=Path(__file__).resolve().parents[1], env=env)
+    try:
+        code = subprocess.call([sys.executable, "-m", "pytest", "-p", "suite_cpu", *argv],
+                               cwd=Path(__file__).resolve().parents[1], env=env)
+    finally:
+        for cgroup in ROOT.glob(f"det-lab-suite-{os.getpid()}-*"):
+            try:
+                cgroup.rmdir()  # empty once every process a worker started has ended
+            except OSError:
+                print(f"{cgroup} still holds processes a test left running: {(cgroup / 'cgroup.procs').read_text().split()}",
+                      file=sys.stderr)
     print(f"\n{started}, {os.cpu_count()} CPUs; per test: {out}\n{report(out)}")
     return code
 
