@@ -13,7 +13,6 @@ tests/test_vla_distributed.py's, with LeRobot's ACT on the same cluster chain.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
 import functools
 import os
@@ -179,18 +178,32 @@ def _vla_conf(**searcher: Any) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def vla_run(det_cluster) -> tuple[int, Any]:
-    """One VLA trial trained to its end on the cluster, never interrupted: the reference."""
-    exp_id = det_cluster.create("vla", _vla_conf())
-    assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output()
-    (trial,) = det_cluster.trials(exp_id)
-    return exp_id, trial
+def vla_run(det_cluster) -> tuple[int, Any, Any]:
+    """One VLA trial trained to its end on the cluster, never interrupted: the reference. Submitted
+    as a notebook submits (det_lab.notebook.submit in cluster mode: the SDK's create_experiment,
+    common/experimental/determined.py), which waits for the end; every other experiment here goes
+    through ``det experiment create``. Yields the experiment, its trial and what submit returned."""
+    from det_lab import notebook
+
+    conf = _vla_conf()
+    conf["environment"] = {"environment_variables": [
+        "DET_LAB_TRACKING=mlflow", f"MLFLOW_TRACKING_URI={det_cluster.task_mlflow_uri}"]}
+    with pytest.MonkeyPatch.context() as env:
+        for key, value in {"DET_USER": "determined", "DET_PASS": "", "DET_MASTER": det_cluster.master.url,
+                           "HOME": det_cluster.env["HOME"]}.items():  # the SDK's token cache goes to HOME
+            env.setenv(key, value)
+        try:
+            result = notebook.submit("vla", conf, settings=det_cluster.lab.settings, mode="cluster", det_template="")
+        except notebook.SubmitError as exc:
+            pytest.fail(f"{exc}\n{det_cluster.task_output()[-4000:]}")
+    (trial,) = det_cluster.trials(result.experiment_id)
+    return result.experiment_id, trial, result
 
 
-def test_vla_submitted_with_det_experiment_create_trains_to_completed(det_cluster, vla_run):
+def test_a_vla_experiment_trains_to_completed_and_the_master_volume_and_tracker_agree(det_cluster, vla_run):
     """The master's record (api_trials.go ReportTrialMetrics, ReportCheckpoint: what the Web UI shows),
     the volume and the tracker agree on one trial run through Determined's whole chain."""
-    exp_id, trial = vla_run
+    exp_id, trial, _ = vla_run
     assert trial.state == "COMPLETED" and det_cluster.master.unserved == []
 
     metrics = _master_metrics(det_cluster, trial)
@@ -324,11 +337,11 @@ def test_isaac_submitted_with_det_experiment_create_trains_to_completed(det_clus
 
 
 @pytest.fixture(scope="module")
-def smolvla_experiment(det_cluster, act_experiments) -> Iterator[tuple[int, Any]]:
+def smolvla_experiment(det_cluster, no_backbone) -> Iterator[tuple[int, Any]]:
     """smolvla.yaml (shrunk: tests/smolvla_models.py) through det experiment create, after the tiny
     SmolVLA base and VLM were imported into the lab's model store by its member; submitted after the
-    act.yaml experiments (requested here only so they run meanwhile: no_backbone frees its slot at
-    once). Yields the experiment and the child that loads its checkpoints with LeRobot."""
+    no_backbone experiment (requested here only so that it runs meanwhile: it frees its slot at once).
+    Yields the experiment and the child that loads its checkpoints with LeRobot."""
     from det_lab.templates import apply_overrides
     from tests.smolvla_models import RUN_ASSIGNMENTS, ModelsChild
 
@@ -370,57 +383,22 @@ def test_smolvla_through_det_experiment_create_fine_tunes_offline_from_the_store
 
 
 @pytest.fixture(scope="module")
-def act_experiments(det_cluster) -> dict[str, int]:
-    """Two act.yaml experiments submitted together, so they run side by side on the agent's two slots:
-    ``trains`` (shrunk, to its end) and ``no_backbone`` (ImageNet weights the volume lacks)."""
+def no_backbone(det_cluster) -> int:
+    """act.yaml (shrunk) naming ImageNet backbone weights that the volume lacks. LeRobot's ACT training
+    through this chain, its scalars and its checkpoints' pretrained_model/ are tests/test_vla_distributed.py's."""
     conf = _expconf("vla", "act.yaml", dataset="grasp-frames", max_length={"batches": 6}, reporting_batches=3)
-    conf["min_validation_period"], conf["min_checkpoint_period"] = {"batches": 6}, {"batches": 3}
     conf["hyperparameters"].update(val_episodes=1, torch_threads=1)
-    conf["hyperparameters"]["policy"].update(dim_model=32, dim_feedforward=64, n_encoder_layers=1)
-    bad = copy.deepcopy(conf)
-    bad["hyperparameters"]["policy"]["pretrained_backbone_weights"] = "ResNet18_Weights.IMAGENET1K_V1"
-    return {"no_backbone": det_cluster.create("vla", bad), "trains": det_cluster.create("vla", conf)}
-
-
-@skip_without_lerobot()
-def test_act_through_det_experiment_create_reports_its_scalars_and_checkpoints_lerobots_pretrained_model(
-        det_cluster, act_experiments):
-    """LeRobot's ACT (act.yaml, shrunk) through Determined's whole chain in the task stand-in: COMPLETED;
-    the policy's own scalars (loss, l1_loss, kld_loss) in every training report at the master, each step
-    once and equal to MLflow's; each checkpoint on the volume holds LeRobot's pretrained_model/, which
-    ACTPolicy.from_pretrained loads to exactly the weights Determined saved at that step."""
-    import torch
-
-    trial = _check_one_trial(det_cluster, act_experiments["trains"], "checkpoints/vla")
-    metrics = _master_metrics(det_cluster, trial)
-    assert [s for s, _ in metrics["training"]] == [3, 6] and [s for s, _ in metrics["validation"]] == [6]
-    for _, values in metrics["training"]:
-        assert {"loss", "l1_loss", "kld_loss", "grad_norm", "lr"} <= set(values), values
-    assert metrics["training"][0][1]["loss"] != metrics["training"][1][1]["loss"]
-
-    torchvision_shim.install()  # this process imports LeRobot's ACT too
-    from lerobot.policies.act.modeling_act import ACTPolicy
-
-    ckpts = sorted(_checkpoint_dirs(det_cluster, trial, "checkpoints/vla"), key=lambda c: c[0].metadata["steps_completed"])
-    assert [c.metadata["steps_completed"] for c, _ in ckpts] == [3, 6]
-    weights = []
-    for ckpt, path in ckpts:
-        assert {"pretrained_model/config.json", "pretrained_model/model.safetensors",
-                "pretrained_model/policy_preprocessor.json"} <= set(ckpt.resources), sorted(ckpt.resources)
-        loaded = ACTPolicy.from_pretrained(path / "pretrained_model").state_dict()
-        saved = torch.load(path / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
-        assert sorted(loaded) == sorted(saved)
-        assert all(torch.equal(loaded[k], saved[k]) for k in saved), path
-        weights.append(loaded)
-    assert any(not torch.equal(weights[0][k], weights[1][k]) for k in weights[0])  # step 3's and 6's differ
+    conf["hyperparameters"]["policy"].update(dim_model=32, dim_feedforward=64, n_encoder_layers=1,
+                                             pretrained_backbone_weights="ResNet18_Weights.IMAGENET1K_V1")
+    return det_cluster.create("vla", conf)
 
 
 def test_a_backbone_missing_from_the_volumes_model_store_ends_the_trial_in_one_line_before_it_trains(
-        det_cluster, act_experiments):
+        det_cluster, no_backbone):
     """A config through det experiment create had no det-lab preflight: the trial's start checks the
     base models it loads (det_lab/runs/base_models.py) before the pull, and ends in the line naming
     the import, with no metric and no checkpoint (LeRobot is not even imported)."""
-    exp_id = act_experiments["no_backbone"]
+    exp_id = no_backbone
     assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "ERROR", det_cluster.task_output(exp_id)
     (trial,) = det_cluster.trials(exp_id)
     logs = det_cluster.det("trial", "logs", str(trial.id)).stdout
@@ -438,7 +416,7 @@ def test_a_fork_from_the_web_ui_trains_with_the_changed_hyperparameter(det_clust
     with parentId and no model definition; api_experiment.go:1592-1700 reuses the parent's context."""
     from determined.common.api import bindings
 
-    parent_id, parent = vla_run
+    parent_id, parent, _ = vla_run
     config = yaml.safe_load(det_cluster.master.state.experiments[parent_id].original_config)
     config["hyperparameters"]["lr"] = config["hyperparameters"]["lr"] * 2
     config["name"] = "vla-forked"
@@ -477,21 +455,22 @@ def test_an_unknown_project_ends_the_trial_in_one_line_before_it_trains(det_clus
     assert not _master_metrics(det_cluster, trial) and not _checkpoint_dirs(det_cluster, trial, "checkpoints/vla")
 
 
-def test_a_notebook_submits_through_the_sdk_and_reads_the_best_checkpoint_in_place(det_cluster, monkeypatch):
-    """det_lab.notebook.submit in cluster mode: determined.experimental.client.create_experiment
-    (common/experimental/determined.py) to the master, then the SDK's top checkpoint, read on the volume."""
+def test_a_notebook_submits_through_the_sdk_and_reads_the_best_checkpoint_in_place(det_cluster, vla_run):
+    """det_lab.notebook.submit in cluster mode (the reference run, vla_run) waited for the experiment;
+    its best checkpoint is the SDK's top one (api_experiment.go:1256-1343: by the searcher metric, the
+    better first), read in place on the volume, not downloaded; its history is the master's. (A stand-in
+    that listed checkpoints as reported gave the first, step 20, not the best.)"""
     from det_lab import notebook
 
-    monkeypatch.setenv("DET_USER", "determined")
-    monkeypatch.setenv("DET_PASS", "")
-    monkeypatch.setenv("DET_MASTER", det_cluster.master.url)
-    monkeypatch.setenv("HOME", det_cluster.env["HOME"])  # the SDK's token cache goes there
-    conf = _vla_conf()
-    conf["data"]["det_lab"]["max_length"] = {"batches": 20}
-    conf["environment"] = {"environment_variables": [f"MLFLOW_TRACKING_URI={det_cluster.task_mlflow_uri}"]}
-    result = notebook.submit("vla", conf, settings=det_cluster.lab.settings, mode="cluster", det_template="")
+    _, trial, result = vla_run
+    metric = result.searcher_metric  # const.yaml's searcher.metric, smaller is better
+    assert metric == "val_action_l1" and result.smaller_is_better
+    validations = _master_metrics(det_cluster, trial)["validation"]
+    want = min(validations, key=lambda sv: (sv[1][metric], -sv[0]))
     best = notebook.best_checkpoint(result)
-    assert best is not None and best.step == 20 and best.path is not None and (best.path / "state_dict.pth").is_file()
+    assert result.status == "COMPLETED" and result.history(metric) == [(s, v[metric]) for s, v in validations]
+    assert best is not None and best.step == want[0] and best.metrics[metric] == want[1][metric]
+    assert best.path is not None and (best.path / "state_dict.pth").is_file()
     assert str(best.path).startswith(str(det_cluster.lab.data))  # in place on the volume, not downloaded
 
 

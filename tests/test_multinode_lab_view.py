@@ -133,9 +133,9 @@ def test_det_lab_gpus_shows_every_host_s_holders_and_a_killed_one_s_lease_goes_s
     runs = {a.name: view.start(a, "run", str(view.trial), "--local", "--run", f"left-{a.name}"),
             b.name: view.start(b, "run", str(view.trial), "--local", "--run", f"right-{b.name}")}
     try:
-        def both_held():
+        def both_held():  # journaled and beating (a lease is listed from its start, before its first beat)
             s = view.status()
-            return s if len(s["other_hosts"]) == 2 else None
+            return s if len(s["other_hosts"]) == 2 and all("heartbeat" in o for o in s["other_hosts"]) else None
 
         s = mn.wait_for(both_held, 120, "both hosts' leases on the login node")
         assert s["gpus"] == [] and s["host"] not in (a.name, b.name)

@@ -241,6 +241,23 @@ def test_search_trains_for_max_time_and_is_asha():
     assert "determined.launch.torch_distributed" in gpu["entrypoint"]
 
 
+def test_the_det_lab_models_bf16_switch_with_a_lerobot_policy_is_refused_by_the_trial(template_modules):
+    """hyperparameters.bf16 is read by the det_lab model only: with a LeRobot policy it would train in
+    fp32 unasked. The trial's own check (a config from det experiment create had no det-lab preflight),
+    the one that ends a cluster trial in one line (tests/test_vla_distributed.py's uneven batch)."""
+    from train import _check_scale
+
+    from det_lab.errors import UserError
+
+    hp = {"global_batch_size": 8, "bf16": True}
+    with pytest.raises(UserError) as refused:
+        _check_scale(hp, True, 2)
+    assert str(refused.value) == ("hyperparameters.bf16 is the det_lab model's switch; for a LeRobot policy set "
+                                  "hyperparameters.policy.precision: bf16")
+    _check_scale(hp, False, 2)  # the det_lab model's own switch
+    _check_scale({**hp, "bf16": False}, True, 2)
+
+
 @pytest.fixture
 def template_modules(monkeypatch):
     monkeypatch.syspath_prepend(str(TEMPLATE))

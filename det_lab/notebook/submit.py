@@ -229,7 +229,7 @@ def local_result(run_dir: Path, settings: LabSettings | None = None) -> SubmitRe
 
 def _submit_cluster(settings: LabSettings, template: str, config: Path | None,
                     det_template: str | None) -> SubmitResult:
-    """The Determined SDK path (needs a master; not exercised by the tests here)."""
+    """The Determined SDK path (tests/test_determined_templates.py runs it against the master stand-in)."""
     from determined.experimental import client
 
     from det_lab.runs.validate import check_config

@@ -18,7 +18,7 @@ from tests.standin.capacity import validate_resources
 from tests.standin.master_config import ConfigError, pack_files, parse_create
 from tests.standin.master_state import TERMINAL, Experiment, Trial, User
 from tests.standin.master_views import (checkpoint_view, checkpoint_workload, experiment_view, metrics_report,
-                                        metrics_workload, task_log_view, trial_view, user_view)
+                                        metrics_workload, sort_checkpoints, task_log_view, trial_view, user_view)
 
 ROUTES: list[Route] = []
 
@@ -285,31 +285,29 @@ def get_experiment_trials(req: Request) -> dict[str, Any]:
     return _page(trials, req, "trials")
 
 
-def _checkpoints(req: Request, trial_ids: set[int]) -> dict[str, Any]:
+def _checkpoints(req: Request, trial_ids: set[int], smaller_is_better: bool | None) -> dict[str, Any]:
     state = req.master.state
     states = set(req.qlist("states"))
     ckpts = [checkpoint_view(state, c) for c in state.checkpoints.values()
              if c.trial_id in trial_ids and (not states or c.state in states)]
-    if req.q("sortByAttr") == "SORT_BY_BATCH_NUMBER":
-        ckpts.sort(key=lambda c: int(c["metadata"].get("steps_completed") or 0))
-    if req.q("orderBy") == "ORDER_BY_DESC":
-        ckpts.reverse()
+    ckpts = sort_checkpoints(ckpts, req.q("sortByAttr"), req.q("sortByMetric"), req.q("orderBy"), smaller_is_better)
     return _page(ckpts, req, "checkpoints")
 
 
 @route(ROUTES, "GET", "/api/v1/experiments/{id}/checkpoints")
 def get_experiment_checkpoints(req: Request) -> dict[str, Any]:
-    """api_checkpoint.go GetExperimentCheckpoints."""
+    """api_experiment.go:1256-1343 GetExperimentCheckpoints (the SDK's top_checkpoint: the first by searcher metric)."""
     with req.master.state.lock:
         exp = experiment_of(req, "id")
-        return _checkpoints(req, {t.id for t in req.master.state.trials.values() if t.experiment is exp})
+        smaller = bool((exp.config.get("searcher") or {}).get("smaller_is_better", True))
+        return _checkpoints(req, {t.id for t in req.master.state.trials.values() if t.experiment is exp}, smaller)
 
 
 @route(ROUTES, "GET", "/api/v1/trials/{id}/checkpoints")
 def get_trial_checkpoints(req: Request) -> dict[str, Any]:
     """api_trials.go:471-547 GetTrialCheckpoints."""
     with req.master.state.lock:
-        return _checkpoints(req, {trial_of(req, "id").id})
+        return _checkpoints(req, {trial_of(req, "id").id}, None)
 
 
 def _lifecycle(req: Request, target: str) -> dict[str, Any]:

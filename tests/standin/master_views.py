@@ -7,6 +7,7 @@ proto/src/determined/{experiment,trial,checkpoint,user}/v1/*.proto at v0.38.1.
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -170,3 +171,56 @@ def task_log_view(n: int, log: dict[str, Any]) -> dict[str, Any]:
 def dumps_line(result: dict[str, Any]) -> bytes:
     """One item of a server stream as grpc-gateway writes it: a JSON object per line."""
     return json.dumps({"result": result}).encode() + b"\n"
+
+
+#: checkpointv1.State's numbers (proto/src/determined/checkpoint/v1/checkpoint.proto), SORT_BY_STATE's order
+_CHECKPOINT_STATES = ["STATE_UNSPECIFIED", "STATE_ACTIVE", "STATE_COMPLETED", "STATE_ERROR", "STATE_DELETED",
+                      "STATE_PARTIALLY_DELETED"]
+
+
+def sort_checkpoints(ckpts: list[dict[str, Any]], attr: str | None, metric: str | None, order: str | None,
+                     smaller_is_better: bool | None) -> list[dict[str, Any]]:
+    """Checkpoint views in the order api_experiment.go:1256-1343 GetExperimentCheckpoints gives them, with
+    master/pkg/protoutils/protoless/less.go's comparators: SORT_BY_SEARCHER_METRIC without an order sorts
+    the better first (the experiment's smaller_is_better) and those without a searcher metric last; ties
+    (and SORT_BY_END_TIME) by report time; no sort key: by trial id. ``smaller_is_better`` None: as
+    api_trials.go:513-540 GetTrialCheckpoints, which has neither that default order nor nulls last."""
+    searcher = attr == "SORT_BY_SEARCHER_METRIC" and smaller_is_better is not None
+    if searcher and order in (None, "", "ORDER_BY_UNSPECIFIED"):
+        order = "ORDER_BY_ASC" if smaller_is_better else "ORDER_BY_DESC"
+
+    def training(c: dict[str, Any], key: str) -> Any:
+        return (c.get("training") or {}).get(key)
+
+    def by(value: Any, a: dict[str, Any], b: dict[str, Any]) -> bool:  # less.go: a missing value is lower
+        va, vb = value(a), value(b)
+        if va is None:
+            return True
+        if vb is None:
+            return False
+        return a["reportTime"] < b["reportTime"] if va == vb else va < vb
+
+    def less(a: dict[str, Any], b: dict[str, Any]) -> bool:
+        if searcher:  # CheckpointSearcherMetricNullsLast, before the order is applied
+            if training(a, "searcherMetric") is None:
+                return False
+            if training(b, "searcherMetric") is None:
+                return True
+        if order == "ORDER_BY_DESC":
+            a, b = b, a
+        trial_id = functools.partial(training, key="trialId")
+        if metric:
+            return by(lambda c: ((training(c, "validationMetrics") or {}).get("avgMetrics") or {}).get(metric), a, b)
+        if attr == "SORT_BY_BATCH_NUMBER":
+            return by(lambda c: c["metadata"].get("steps_completed"), a, b)
+        if attr == "SORT_BY_UUID":
+            return a["uuid"] < b["uuid"]
+        if attr == "SORT_BY_END_TIME":
+            return a["reportTime"] < b["reportTime"]
+        if attr == "SORT_BY_STATE":
+            return _CHECKPOINT_STATES.index(a["state"]) < _CHECKPOINT_STATES.index(b["state"])
+        if attr == "SORT_BY_SEARCHER_METRIC":
+            return by(functools.partial(training, key="searcherMetric"), a, b)
+        return by(trial_id, a, b)
+
+    return sorted(ckpts, key=functools.cmp_to_key(lambda a, b: -1 if less(a, b) else 1 if less(b, a) else 0))
