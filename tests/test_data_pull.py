@@ -211,6 +211,42 @@ def test_new_revision_shares_unchanged_objects(toy, tmp_path):
     assert len(cache_objects(layout, "vla")) == 60 + 1 + 1 + 1  # one new file, two manifests
 
 
+def test_a_published_dataset_is_what_dvcs_own_commands_make(toy, tmp_path):
+    """publish_directory drives DVC's Repo API in its own process; the reference is DVC's CLI, one
+    ``python -m dvc`` per step as its docs give them (init, remote add --default, config
+    core.autostage, add, push) on the same files: the same .dvc file, DVC config and ignore files in
+    the commit, and the same objects pushed to the remote."""
+    repo = Path(toy.spec.repo)
+    src = tmp_path / "src"
+    make_files(src, 5, 100, seed=3)
+    (src / "sub").mkdir()
+    (src / "sub" / "x.txt").write_text("x\n")
+    publish_directory(toy.settings, "vla", "toy", src, "toy v2")  # a next revision: dvc remove, then add
+    remote = tmp_path / "remote"
+    ws = tmp_path / "ws"
+    git("init", "--quiet", "--initial-branch=main", str(ws))
+
+    def dvc(*args: str) -> None:
+        proc = subprocess.run([str(VENV_BIN / "python"), "-m", "dvc", *args], cwd=ws, capture_output=True, text=True,
+                              env={**os.environ, "DVC_NO_ANALYTICS": "1"})
+        assert proc.returncode == 0, proc.stderr
+
+    dvc("init", "--quiet")
+    dvc("remote", "add", "--default", "volume", str(remote))
+    dvc("config", "core.autostage", "true")
+    shutil.copytree(src, ws / "data" / "toy")
+    dvc("add", "--quiet", "data/toy")
+    dvc("push", "--quiet")
+    ours = lambda name: git("show", f"main:{name}", cwd=repo)  # noqa: E731
+    for name in (".dvc/.gitignore", ".dvcignore", "data/.gitignore", "data/toy.dvc"):
+        assert ours(name) == (ws / name).read_text(), name
+    config = (ws / ".dvc" / "config").read_text()
+    assert ours(".dvc/config") == config.replace(str(remote), str(VolumeLayout(toy.settings.data_root).datasets("vla")))
+    pushed = {p.relative_to(remote).as_posix() for p in remote.rglob("*") if p.is_file()}
+    volume = VolumeLayout(toy.settings.data_root).datasets("vla")
+    assert pushed and all((volume / name).read_bytes() == (remote / name).read_bytes() for name in pushed)
+
+
 def test_quota_refusal_writes_nothing(toy, tmp_path):
     layout = VolumeLayout(toy.settings.data_root)
     # what publishing wrote (the remote, the git repo) counts; the pull would add 240 KiB of objects
@@ -332,6 +368,25 @@ def test_remote_without_the_objects(toy):
     files.rename(files.with_name("gone"))
     with pytest.raises(DataError, match="its DVC remote 'volume' lacks 60 of 60 files"):
         data.pull(DatasetSpec(spec.project, spec.repo, spec.path, spec.rev), volume)
+
+
+#: what ``dvc fetch`` printed (DVC 3.67) for a remote object moved away, its remote under a pytest
+#: directory numbered 401: read as "no credentials" (HTTP 401) before the paths were left out
+DVC_MISSING_OBJECT = (
+    "ERROR: unexpected error - failed to transfer '77914a1095bfa97084f0aee8000b72db' - [Errno 2] No such file "
+    "or directory: '/tmp/pytest-of-root/pytest-401/popen-gw0/gc0/data/datasets/vla/files/md5/77/"
+    "914a1095bfa97084f0aee8000b72db'\nERROR: failed to fetch data from the cloud - 2 files failed to download")
+#: botocore's refusal of an S3 remote without the right keys, as dvc fetch prints it
+DVC_S3_FORBIDDEN = "ERROR: failed to fetch data from the cloud - An error occurred (403) when calling the HeadObject operation: Forbidden"
+
+
+@pytest.mark.parametrize(("stderr", "words"), [(DVC_MISSING_OBJECT, "its DVC remote lacks some files"),
+                                               (DVC_S3_FORBIDDEN, "no credentials for its DVC remote")])
+def test_dvc_fetchs_error_is_named_by_its_words_not_by_a_number_in_a_path(stderr, words):
+    from det_lab.data.pull import _explain_dvc_error
+
+    spec = DatasetSpec("vla", "/srv/run-403/alpha.git", "data/alpha", rev="main")
+    assert _explain_dvc_error(stderr, spec).startswith(f"data/alpha@main in /srv/run-403/alpha.git: {words}")
 
 
 def test_missing_credentials(volume):

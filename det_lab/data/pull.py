@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -243,10 +244,11 @@ def _explain_dvc_error(stderr: str, spec: DatasetSpec) -> str:
     errors = [ln for ln in lines if ln.startswith("ERROR")]
     text = " ".join(errors) if errors else (lines[-1] if lines else "dvc fetch failed")
     where = f"{spec.path}@{spec.rev} in {spec.repo}"
-    lowered = text.lower()
+    # what DVC says, without the paths and object names it quotes (a directory 'pytest-401' is no HTTP 401)
+    lowered = re.sub(r"'[^']*'|\S*/\S*", " ", text).lower()
     if "no remote" in lowered:
         return f"{where}: the repository has no default DVC remote (run 'dvc remote add -d ...' there)"
-    if "credential" in lowered or "access denied" in lowered or "403" in lowered or "401" in lowered:
+    if "credential" in lowered or "access denied" in lowered or re.search(r"\b40[13]\b", lowered):
         return f"{where}: no credentials for its DVC remote: {text.removeprefix('ERROR: ')}"
     if "missing" in lowered or "does not exist" in lowered or "not on remote" in lowered or \
             "failed to download" in lowered or "no such file" in lowered:
