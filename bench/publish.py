@@ -19,9 +19,10 @@ import platform
 import statistics
 import subprocess
 import sys
-import tarfile
 import tempfile
 from pathlib import Path
+
+from cli_startup import extract  # bench/ is sys.path[0] when this script runs: det_lab/ at a revision
 
 REPO = Path(__file__).resolve().parents[1]
 BEFORE = "2f2c65b"  # the last commit that published through `python -m dvc` subprocesses
@@ -52,16 +53,6 @@ cpu = r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime + c1.ru_utime + c1.r
 import det_lab
 print(json.dumps({"wall": time.monotonic() - t0, "cpu": cpu, "det_lab": det_lab.__file__}))
 """
-
-
-def extract(rev: str, dest: Path) -> None:
-    """det_lab/ as it was at ``rev``, under ``dest``."""
-    archive = subprocess.run(["git", "archive", "--format=tar", rev, "det_lab"], cwd=REPO, check=True,
-                             capture_output=True).stdout
-    tar = dest / "det_lab.tar"
-    tar.write_bytes(archive)
-    with tarfile.open(tar) as t:
-        t.extractall(dest, filter="data")
 
 
 def measure(source: Path, work: Path) -> dict[str, float]:

@@ -129,13 +129,14 @@ def init_volume(settings: LabSettings) -> InitReport:
     gid = _group_id(settings.group)
     report = InitReport()
     for d in layout.directories(sorted(settings.projects)):
-        if d.is_dir():
+        try:  # mkdir first: another machine may make it between a look and a mkdir
+            d.mkdir()
+        except FileExistsError:
+            if not d.is_dir():
+                raise FileExistsError(f"{d} exists and is not a directory; move it away and re-run") from None
             report.existing.append(d)
             _widen_permissions(d, gid, report)
             continue
-        if d.exists():
-            raise FileExistsError(f"{d} exists and is not a directory; move it away and re-run")
-        d.mkdir()
         if gid is not None:
             os.chown(d, -1, gid)
         os.chmod(d, SHARED_DIR_MODE)  # explicit: mkdir's mode is cut by the umask

@@ -35,6 +35,25 @@ def test_init_fresh_root_creates_shared_layout(lab):
     assert layout.marker.is_file()
 
 
+def test_a_directory_another_host_makes_meanwhile_is_taken_as_there(lab, monkeypatch):
+    """Two machines initialising one fresh volume at once (or a test bed making its mount point): a
+    layout directory another host creates just before this one's mkdir is kept as existing, not
+    refused as "exists and is not a directory" (the check and the mkdir were two steps)."""
+    settings = load_settings(lab.config, env={})
+    raced = VolumeLayout(lab.root).outputs("vla")
+    real_mkdir = Path.mkdir
+
+    def other_host_first(self: Path, *args, **kwargs):
+        if self == raced and not raced.exists():
+            real_mkdir(self)  # the other host's, between this one's look and its mkdir
+        return real_mkdir(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "mkdir", other_host_first)
+    report = init_volume(settings)
+    assert raced in report.existing and raced not in report.created
+    assert all(d.is_dir() for d in VolumeLayout(lab.root).directories(sorted(settings.projects)))
+
+
 def test_init_respects_umask_for_group_sharing(lab):
     old = os.umask(0o077)
     try:
