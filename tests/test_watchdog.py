@@ -194,6 +194,9 @@ def test_idle_salloc_warned_then_cancelled_busy_and_exempt_left_alone(slurm_clus
         started = time.monotonic()
         dog = start_watchdog(lab, nvml, slurm_cluster)
         warned = wait_for(lambda: [e for e in journal(lab) if e["event"] == "warned"], WINDOW + 45, dog)
+        # its webhook post and mail follow the journal line: killed after them (mid-grace, not mid-mail;
+        # killed between the two, the warning's mail is never sent: the next watchdog finds it journaled)
+        wait_for(lambda: got and list((tmp_path / "mail").glob("*.eml")), 30, dog)
         stop(dog, signal.SIGKILL)  # mid-grace: the next one keeps the first one's deadline
         dog = start_watchdog(lab, nvml, slurm_cluster)
         wait_for(lambda: job_state(slurm_cluster, idle) == "GONE", GRACE + 45, dog)
