@@ -47,8 +47,8 @@ def publish_directory(settings: LabSettings, project: str, name: str, src: Path,
             bare.parent.mkdir(parents=True, exist_ok=True)
             git("init", "--quiet", "--bare", "--shared=group", "--initial-branch=main", str(bare))
             git("init", "--quiet", "--initial-branch=main", str(ws))
-            with _dvc("init") as dvc:
-                dvc.init(str(ws)).close()
+            with _dvc("init"):
+                _repo_class().init(str(ws)).close()
             with _dvc("config", ws) as repo, repo.config.edit("repo") as conf:  # dvc remote add --default; dvc config
                 conf["remote"]["volume"] = {"url": str(remote)}
                 conf["core"]["remote"] = "volume"
@@ -72,22 +72,27 @@ def publish_directory(settings: LabSettings, project: str, name: str, src: Path,
     return spec
 
 
+def _repo_class() -> Any:
+    from dvc.repo import Repo
+
+    return Repo
+
+
 @contextlib.contextmanager
 def _dvc(command: str, ws: Path | None = None) -> Iterator[Any]:
-    """DVC's own ``Repo`` of ``ws`` (the class itself without ``ws``), what its commands call, in this
-    process: a ``python -m dvc`` per command paid DVC's import each time (~0.5 s of CPU; five per new
-    dataset). Quiet as ``--quiet`` (its log and progress bars off); its error is one line naming the command."""
+    """DVC's own ``Repo`` of ``ws`` (None without ``ws``), what its commands call, in this process: a
+    ``python -m dvc`` per command paid DVC's import each time (~0.5 s of CPU; five per new dataset).
+    Quiet as ``--quiet`` (its log and progress bars off); its error is one line naming the command."""
     from dvc.exceptions import DvcException
-    from dvc.repo import Repo
 
     log = logging.getLogger("dvc")
     level = log.level
     log.setLevel(logging.CRITICAL)
     try:
         if ws is None:
-            yield Repo
+            yield None
         else:
-            with Repo(str(ws)) as repo:
+            with _repo_class()(str(ws)) as repo:
                 yield repo
     except DvcException as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
