@@ -7,6 +7,7 @@ proto/src/determined/{experiment,trial,checkpoint,user}/v1/*.proto at v0.38.1.
 
 from __future__ import annotations
 
+import datetime as dt
 import functools
 import json
 from typing import Any
@@ -189,6 +190,9 @@ def sort_checkpoints(ckpts: list[dict[str, Any]], attr: str | None, metric: str 
     if searcher and order in (None, "", "ORDER_BY_UNSPECIFIED"):
         order = "ORDER_BY_ASC" if smaller_is_better else "ORDER_BY_DESC"
 
+    def reported(c: dict[str, Any]) -> dt.datetime:  # less.go CheckpointReportTimeLess: as times, not text
+        return dt.datetime.fromisoformat(c["reportTime"].replace("Z", "+00:00"))
+
     def training(c: dict[str, Any], key: str) -> Any:
         return (c.get("training") or {}).get(key)
 
@@ -198,7 +202,7 @@ def sort_checkpoints(ckpts: list[dict[str, Any]], attr: str | None, metric: str 
             return True
         if vb is None:
             return False
-        return a["reportTime"] < b["reportTime"] if va == vb else va < vb
+        return reported(a) < reported(b) if va == vb else va < vb
 
     def less(a: dict[str, Any], b: dict[str, Any]) -> bool:
         if searcher:  # CheckpointSearcherMetricNullsLast, before the order is applied
@@ -216,7 +220,7 @@ def sort_checkpoints(ckpts: list[dict[str, Any]], attr: str | None, metric: str 
         if attr == "SORT_BY_UUID":
             return a["uuid"] < b["uuid"]
         if attr == "SORT_BY_END_TIME":
-            return a["reportTime"] < b["reportTime"]
+            return reported(a) < reported(b)
         if attr == "SORT_BY_STATE":
             return _CHECKPOINT_STATES.index(a["state"]) < _CHECKPOINT_STATES.index(b["state"])
         if attr == "SORT_BY_SEARCHER_METRIC":
