@@ -247,15 +247,20 @@ def test_a_pause_from_the_cli_checkpoints_and_activate_resumes_to_the_uninterrup
     answers), the trial checkpoints and exits; ActivateExperiment -> a new allocation with
     DET_LATEST_CHECKPOINT (task_trial.go:124-126): the losses after the resume are the reference's."""
     exp_id = det_cluster.create("vla", _vla_conf())
-    _wait_for(det_cluster, lambda: any(s >= 20 for s, _ in _master_metrics(
-        det_cluster, det_cluster.trials(exp_id)[0]).get("training", [])) if det_cluster.trials(exp_id) else False)
+    # Paused once the rendezvous made the allocation ready (before it, a pause kills: allocation.go
+    # tryExitOrTerminate), so the trial takes it at a report boundary (_pytorch_trial.py:360, :605-607),
+    # while it still has most of its 60 batches to go: paused after the first report, the 10 batches
+    # left a fast trial raced the CLI's start.
+    _wait_for(det_cluster, lambda: bool(det_cluster.trials(exp_id)) and det_cluster.trials(exp_id)[0].alloc is not None
+              and det_cluster.trials(exp_id)[0].alloc.ready)
     det_cluster.det("experiment", "pause", str(exp_id))
     (trial,) = det_cluster.trials(exp_id)
-    _wait_for(det_cluster, lambda: trial.state == "PAUSED" and trial.alloc is None)
+    _wait_for(det_cluster, lambda: trial.state == "PAUSED" and trial.alloc is None or trial.state == "COMPLETED")
+    assert trial.state == "PAUSED", "the pause came after the trial ended: nothing was resumed"
     paused_at = max(s for s, _ in _master_metrics(det_cluster, trial)["training"])
     assert paused_at < 60, "the pause came after the trial ended: nothing was resumed"
     saved = max(c.metadata["steps_completed"] for c, _ in _checkpoint_dirs(det_cluster, trial, "checkpoints/vla"))
-    assert saved >= 20  # the pause's own checkpoint, or the one before it
+    assert saved == paused_at  # the pause's own checkpoint, at the boundary where the trial took it
     det_cluster.det("experiment", "activate", str(exp_id))
     assert det_cluster.wait(exp_id, "COMPLETED", "ERROR", "CANCELED") == "COMPLETED", det_cluster.task_output()
     assert trial.run_id == 2  # one more run: DET_TRIAL_RUN_ID

@@ -18,6 +18,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -26,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from det_lab.accounting.limits import pending_words
+from det_lab.tracking.mlflow_server import free_port
 from tests.conftest import Lab
 from tests.slurm_cluster import (  # noqa: F401
     TINY,
@@ -456,8 +458,12 @@ def test_a_slurm_yaml_naming_no_cluster_uses_the_running_clusters_name(acct):
     assert cluster.run("sacctmgr", "-n", "-P", "show", "cluster", "format=Cluster").stdout.split() == clusters
     assert sacctmgr_state(cluster) == before
 
-    gone = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(unnamed), "SLURM_CONF": str(acct["tmp"] / "none.conf")},
-                   "slurm", "accounts")
+    # slurm.conf naming a controller that does not answer (a port nobody listens on): scontrol gives up
+    # after its MessageTimeout retries. No slurm.conf at all is no faster here: scontrol then looks up
+    # configless mode's DNS SRV record, which this sandbox's resolver never answers (59 s).
+    dead = acct["tmp"] / "dead-controller.conf"
+    dead.write_text(re.sub(r"(?m)^SlurmctldPort=.*$", f"SlurmctldPort={free_port()}", cluster.conf.read_text()))
+    gone = lab_cli(acct["lab"], {"DET_LAB_SLURM_CONFIG": str(unnamed), "SLURM_CONF": str(dead)}, "slurm", "accounts")
     assert gone.returncode == 2 and gone.stderr.strip().splitlines() == [
         f"error: {unnamed} names no cluster_name and scontrol show config did not answer: set cluster_name: to "
         f"slurm.conf's ClusterName"]
