@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 
 import pytest
 from determined.common.api.authentication import check_password_complexity
@@ -65,7 +66,42 @@ def test_concurrent_creation_yields_one_password(tmp_path):
         t.start()
     for t in threads:
         t.join()
+    assert len(results) == 8  # none refused the file another was writing
     assert sum(r.created for r in results) == 1 and len({r.value for r in results}) == 1
+
+
+def test_a_secret_being_written_is_never_read_half_written(tmp_path, monkeypatch):
+    """One caller writes its new password slowly; another asks for the secret meanwhile: it gets a
+    whole password (its own or the writer's), never the empty file a creation in place left
+    visible (CI once saw 'weak password (it is blank)' from the test above)."""
+    path = sec.ensure_private_dir(tmp_path / "c") / "admin-password"
+    writing, write = threading.Event(), sec._write_fd
+
+    def slow_write(fd: int, text: str) -> None:
+        if not writing.is_set():
+            writing.set()
+            time.sleep(0.5)
+        write(fd, text)
+
+    monkeypatch.setattr(sec, "_write_fd", slow_write)
+    results: list[sec.Secret] = []
+    errors: list[BaseException] = []
+
+    def make():
+        try:
+            results.append(sec.ensure_secret(path))
+        except sec.SecretError as exc:
+            errors.append(exc)
+
+    slow = threading.Thread(target=make)
+    slow.start()
+    assert writing.wait(10)
+    make()
+    slow.join()
+    assert errors == [] and len(results) == 2
+    assert sum(r.created for r in results) == 1 and len({r.value for r in results}) == 1
+    assert path.read_text().strip() == results[0].value and stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert [p.name for p in path.parent.iterdir()] == ["admin-password"]  # no temporary file left
 
 
 def test_readable_or_linked_secret_is_refused(tmp_path):

@@ -110,9 +110,14 @@ def _write_fd(fd: int, text: str) -> None:
         os.fsync(f.fileno())
 
 
+def _beside(path: Path) -> Path:
+    """A temporary name in ``path``'s directory, unique to this call."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
 def write_private(path: Path, text: str) -> None:
     """Write ``path`` mode 0600, atomically, never readable by anyone else at any moment."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = _beside(path)
     try:
         _write_fd(_open_private(tmp), text)
         os.replace(tmp, path)
@@ -147,21 +152,26 @@ class Secret:
 
 
 def ensure_secret(path: Path, length: int = PASSWORD_LENGTH) -> Secret:
-    """The secret in ``path``, generating and storing a new one if the file does not exist."""
-    try:
-        fd = _open_private(path)
-    except FileExistsError:
-        value = read_private(path)
-        problems = password_problems(value)
-        if problems:
-            raise SecretError(f"{path}: weak password ({'; '.join(problems)}); delete the file to generate one")
-        return Secret(path, value, created=False)
+    """The secret in ``path``, generating and storing a new one if the file does not exist.
+
+    A new secret is written whole to a private temporary file, then linked to ``path``: the link
+    is atomic and refuses an existing ``path``, so a concurrent caller finds the file complete or
+    not at all (created in place, it was once read blank between its creation and its write)."""
     value = generate_password(length)
+    tmp = _beside(path)
     try:
-        _write_fd(fd, value + "\n")
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+        _write_fd(_open_private(tmp), value + "\n")
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            value = read_private(path)
+            problems = password_problems(value)
+            if problems:
+                raise SecretError(f"{path}: weak password ({'; '.join(problems)}); delete the file to generate one") \
+                    from None
+            return Secret(path, value, created=False)
+    finally:
+        tmp.unlink(missing_ok=True)
     return Secret(path, value, created=True)
 
 
