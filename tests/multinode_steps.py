@@ -23,8 +23,8 @@ config_file = tiny_config  # the tiny VLA config with dotted keys changed (tests
 FAST = {"DET_LAB_LOCK_LIFETIME": "15", "DET_LAB_FENCE_POLL": "1"}
 
 
-#: 80 batches, a checkpoint every 20, paced so that a node can be lost mid-run on a loaded machine
-PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 20}}
+#: 80 batches, a checkpoint every 10, paced so that a node can be lost mid-run on a loaded machine
+PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 10}}
 
 
 def state(run_dir: Path) -> dict:
