@@ -103,8 +103,11 @@ def _files(run_dir: Path, ckpts: Path) -> dict[str, object]:
 def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(bed: Bed):
     c, lab = bed.cluster, bed.lab
     c.wait_nodes(("idle",))
-    # slower than PACED: the cut-off copy must still train when Slurm has requeued the job
-    config = mn.config_file(lab, "tiny-partition.yaml", **{**mn.PACED, "hyperparameters.sleep_per_batch": 0.5})
+    # slower and longer than PACED: the cut-off copy must still train when Slurm has requeued the job
+    # (under CI's load the requeue once took longer than the 60 paced batches an 80-batch run had left;
+    # the requeued copy is unpaced, so the extra batches cost it little)
+    config = mn.config_file(lab, "tiny-partition.yaml", **{**mn.PACED, "hyperparameters.sleep_per_batch": 0.5,
+                                                           "data.det_lab.max_length.batches": 160})
     run_dir, job_id = mn.submit(bed.lab, config)
     straight = mn.straight(bed.lab, config)
     mn.wait_for(lambda: mn.past_first_checkpoint(run_dir), 180, "the first checkpoint")
