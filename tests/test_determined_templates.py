@@ -248,9 +248,9 @@ def test_a_pause_from_the_cli_checkpoints_and_activate_resumes_to_the_uninterrup
     DET_LATEST_CHECKPOINT (task_trial.go:124-126): the losses after the resume are the reference's."""
     exp_id = det_cluster.create("vla", _vla_conf())
     # Paused once the rendezvous made the allocation ready (before it, a pause kills: allocation.go
-    # tryExitOrTerminate), so the trial takes it at a report boundary (_pytorch_trial.py:360, :605-607),
-    # while it still has most of its 60 batches to go: paused after the first report, the 10 batches
-    # left a fast trial raced the CLI's start.
+    # tryExitOrTerminate), so the trial takes it at a report boundary (_pytorch_trial.py:360, :605-607)
+    # with most of its 60 batches to go: paused after step 20's report, a fast trial once ran its last
+    # 40 batches while the CLI started.
     _wait_for(det_cluster, lambda: bool(det_cluster.trials(exp_id)) and det_cluster.trials(exp_id)[0].alloc is not None
               and det_cluster.trials(exp_id)[0].alloc.ready)
     det_cluster.det("experiment", "pause", str(exp_id))
