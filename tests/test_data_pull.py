@@ -376,7 +376,8 @@ DVC_MISSING_OBJECT = (
     "ERROR: unexpected error - failed to transfer '77914a1095bfa97084f0aee8000b72db' - [Errno 2] No such file "
     "or directory: '/tmp/pytest-of-root/pytest-401/popen-gw0/gc0/data/datasets/vla/files/md5/77/"
     "914a1095bfa97084f0aee8000b72db'\nERROR: failed to fetch data from the cloud - 2 files failed to download")
-#: botocore's refusal of an S3 remote without the right keys, as dvc fetch prints it
+#: botocore's ClientError text for a refused HeadObject behind DVC's fetch error, written by hand: no S3
+#: remote runs here, and s3fs may word a real refusal otherwise; it keeps a 403 in DVC's own words named
 DVC_S3_FORBIDDEN = "ERROR: failed to fetch data from the cloud - An error occurred (403) when calling the HeadObject operation: Forbidden"
 
 
