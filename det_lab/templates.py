@@ -180,9 +180,10 @@ RSL_RL_INSTALL = "pip install 'tensordict>=0.15,<0.16' && pip install --no-deps 
 #: LeRobot 0.4's pi0/pi0.5 build only on its transformers fork (its ``pi`` extra; modeling_pi05.py:577-584
 #: imports transformers.models.siglip.check, absent from PyPI's transformers, and fails with "An incorrect
 #: transformer version is used" after building 4 B parameters)
-PI_TRANSFORMERS = ("LeRobot's transformers fork that pi0/pi0.5 need (PyPI's transformers lacks it): "
+PI_TRANSFORMERS = ("LeRobot's transformers fork that LeRobot 0.4's pi0/pi0.5 need (PyPI's transformers lacks it): "
                    "pip install 'transformers @ git+https://github.com/huggingface/transformers.git@fix/lerobot_openpi' "
-                   "(LeRobot's pi extra)")
+                   "(LeRobot's pi extra), or, on Python 3.12+, LeRobot 0.5 or newer, whose pi0/pi0.5 run on "
+                   "PyPI's transformers: pip install 'lerobot[pi]>=0.5'")
 
 
 def _lerobot_pi(hparams: dict[str, Any]) -> bool:

@@ -57,4 +57,22 @@ python -m pip install -q -e '.[test,docs]'
 # torch<2.11 pin (its dataset code and its policies are the tests' references; what they import is in
 # the test extra), and `datasets` 4's requests>=2.32 (determined 0.38.1 pins requests<2.32)
 python -m pip install -q --no-deps 'rsl-rl-lib==5.5.1' 'lerobot==0.4.4' 'datasets==4.8.5'
+
+# LeRobot 0.5+ (the first releases whose pi0/pi0.5 run on PyPI's transformers: tests/test_vla_pi.py)
+# needs Python 3.12: a second environment, .venv-lerobot06, where a Python 3.12 is installed (on
+# PATH, or pyenv's). No CPU build of torch 2.13.0 for 3.12 lies on this index: PyPI's (CUDA 13,
+# about 4.7 GB installed with its CUDA libraries) runs on the CPU, and PyPI's torchvision matches it.
+py312=""
+for cand in python3.12 "$(pyenv root 2>/dev/null || echo /nonexistent)"/versions/3.12*/bin/python3.12; do
+  if "$cand" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then py312=$cand; break; fi
+done
+if [ -n "$py312" ]; then
+  [ -x .venv-lerobot06/bin/python ] || "$py312" -m venv .venv-lerobot06
+  .venv-lerobot06/bin/python -m pip install -q --upgrade pip
+  .venv-lerobot06/bin/python -m pip install -q 'torch==2.13.0' -e . -r tests/lerobot06-requirements.txt
+  .venv-lerobot06/bin/python -m pip install -q --no-deps 'lerobot==0.6.1' 'datasets==4.8.5'
+else
+  echo "tests/setup.sh: no Python 3.12 here (python3.12 or pyenv's): tests/test_vla_pi.py, LeRobot 0.6's" \
+       "pi0/pi0.5, will skip" >&2
+fi
 echo "tests/setup.sh: ready; run: python -m pytest" >&2

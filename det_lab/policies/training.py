@@ -233,6 +233,25 @@ def scalars(out: Any) -> dict[str, Any]:
     return found
 
 
+#: where LeRobot keeps the dataset helpers det_lab calls: 0.5+ split ``lerobot.datasets.utils``
+#: (0.4) into ``lerobot.datasets.feature_utils`` and ``lerobot.utils.feature_utils``
+_HELPER_MODULES = ("lerobot.datasets.feature_utils", "lerobot.utils.feature_utils", "lerobot.datasets.utils")
+
+
+def _lerobot(name: str) -> Callable[..., Any]:
+    """LeRobot's dataset helper ``name``, from the module the installed release keeps it in."""
+    import importlib
+
+    for module in _HELPER_MODULES:
+        try:
+            found = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            continue
+        if found is not None:
+            return cast("Callable[..., Any]", found)
+    raise ImportError(f"LeRobot has no {name} in {', '.join(_HELPER_MODULES)}")
+
+
 def known_types() -> list[str]:
     """The policy types LeRobot's factory knows (its config registry), sorted."""
     from lerobot.configs.policies import PreTrainedConfig
@@ -280,8 +299,9 @@ def delta_indices(cfg: Any, meta: DatasetMeta) -> dict[str, list[int]] | None:
     """The frame offsets per feature the policy config asks for (``resolve_delta_timestamps`` in
     frames, as ``LeRobotDataset`` turns them into indices); ``None`` for the current frame only."""
     from lerobot.datasets.factory import resolve_delta_timestamps
-    from lerobot.datasets.utils import check_delta_timestamps, get_delta_indices
 
+    check_delta_timestamps = _lerobot("check_delta_timestamps")
+    get_delta_indices = _lerobot("get_delta_indices")
     timestamps = resolve_delta_timestamps(cfg, meta)
     if timestamps is None:
         return None
@@ -294,9 +314,8 @@ def check_features(cfg: Any, meta: DatasetMeta, rename_map: dict[str, str] | Non
     features, as ``make_policy`` sets them), or, without ``rename_map``, with cameras that are
     neither a subset nor a superset of the policy's (``make_policy``'s own rule), before anything is built."""
     from lerobot.configs.types import FeatureType
-    from lerobot.datasets.utils import dataset_to_policy_features
 
-    features = dataset_to_policy_features(meta.features)
+    features = _lerobot("dataset_to_policy_features")(meta.features)
     probe = dataclasses.replace(cfg)
     probe.output_features = {k: ft for k, ft in features.items() if ft.type is FeatureType.ACTION}
     if not probe.input_features:
@@ -314,6 +333,28 @@ def check_features(cfg: Any, meta: DatasetMeta, rename_map: dict[str, str] | Non
     if not rename_map and not (theirs <= ours or ours <= theirs):
         raise PolicyError(f"{meta.root}: the dataset's cameras {sorted(ours)} are not the policy's {sorted(theirs)}; "
                           "map them with hyperparameters.policy.rename_map: {dataset key: policy key}")
+
+
+#: the statistics LeRobot's normaliser reads per mode (``lerobot/processor/normalize_processor.py``,
+#: ``_apply_transform``: it raises at the first batch when one is missing)
+NORMALISER_STATS = {"MEAN_STD": ("mean", "std"), "MIN_MAX": ("min", "max"), "QUANTILES": ("q01", "q99"),
+                    "QUANTILE10": ("q10", "q90")}
+
+
+def check_stats(cfg: Any, meta: DatasetMeta) -> None:
+    """Refuse a dataset whose ``meta/stats.json`` lacks a statistic the policy normalises a feature by
+    (pi0.5's quantiles, say), before anything is built; LeRobot would fail at the first batch."""
+    from lerobot.configs.types import FeatureType
+
+    modes = {str(getattr(k, "value", k)): str(getattr(v, "value", v)) for k, v in cfg.normalization_mapping.items()}
+    for key, feature in _lerobot("dataset_to_policy_features")(meta.features).items():
+        stats = meta.stats.get(key)
+        mode = modes.get(feature.type.value if isinstance(feature.type, FeatureType) else str(feature.type), "")
+        missing = [name for name in NORMALISER_STATS.get(mode, ()) if stats is not None and name not in stats]
+        if missing:
+            raise PolicyError(f"{meta.root}: policy {cfg.type} normalises {key} by {mode}, and the dataset's "
+                              f"meta/stats.json has no {' or '.join(missing)} for it; add them with LeRobot's "
+                              "augment_dataset_quantile_stats.py (or set policy.normalization_mapping)")
 
 
 def check_pretrained_sizes(cfg: Any, meta: DatasetMeta) -> None:
@@ -348,6 +389,7 @@ def build_training(choice: PolicyChoice, meta: DatasetMeta, *, device: str | tor
     cfg = make_config(choice, device_type)
     check_precision(cfg, choice.precision, device_type)
     check_features(cfg, meta, choice.rename_map)
+    check_stats(cfg, meta)
     if cfg.pretrained_path is not None:
         check_pretrained_sizes(cfg, meta)
     policy = make_policy(cfg, ds_meta=meta, rename_map=choice.rename_map or None)
