@@ -2,18 +2,19 @@
 
 LeRobot 0.5+ (the first with pi0/pi0.5 on PyPI's transformers) needs Python 3.12, so this runs in
 the second environment tests/setup.sh makes (``.venv-lerobot06``), with a run's environment
-(``det_lab.models.run_environment``: ``HF_HOME`` at a lab's model store, offline). LeRobot reads
-``HF_HOME`` at import, so the store is filled first:
+(``det_lab.models.run_environment``: ``HF_HOME`` at a lab's model store, offline; LeRobot reads
+``HF_HOME`` at import, so the child starts with it and the store is filled while it waits):
 
-1. the tiny PaliGemma tokenizer (tests/tiny_pi.py) imported into the store by det_lab's own
-   import (what ``det-lab models import DIR google/paligemma-3b-pt-224`` does);
-2. a LeRobot v3.0 dataset written by LeRobot 0.6.1's own writer;
-3. for pi0 and pi0.5 at the tiny sizes: det_lab's batches and LeRobot's reader's items, det_lab's
+1. it writes the tiny PaliGemma tokenizer and a tiny random pi0.5 base (tests/tiny_pi.py) and a
+   LeRobot v3.0 dataset with LeRobot 0.6.1's own writer; the test imports them into a lab
+   (``det-lab models import``, ``det-lab data import``) and starts ``det-lab run`` with pi05.yaml;
+2. for pi0 and pi0.5 at the tiny sizes: det_lab's batches and LeRobot's reader's items, det_lab's
    three steps and LeRobot's (``update_policy`` in lerobot-train's order), det_lab's checkpoint
    export loaded with ``PI0Policy``/``PI05Policy.from_pretrained`` and LeRobot's processor loader
-   and its action chunk beside the trained model's; a dataset without the quantiles pi0.5 normalises by.
+   and its action chunk beside the trained model's; a dataset without the quantiles pi0.5 normalises by;
+3. the run's checkpoint through ``PI05Policy.from_pretrained``.
 
-    python -m tests.pi_child WORKDIR DATA_ROOT     # writes WORKDIR/seen.pt, prints "done"
+    python -m tests.pi_child WORKDIR      # the stages: see main()
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.tiny_pi import KEYS, TOKENIZER_ID, install, write_tiny_tokenizer
+from tests.tiny_pi import KEYS, install, write_tiny_base, write_tiny_tokenizer
 from tests.tiny_smolvla import BATCHES, CAMERA, SEED, write_dataset
 
 #: the policy keys of each run (policy.* in an experiment config): a short schedule whose LR moves each step
@@ -159,27 +160,68 @@ def _without_quantiles(root: Path) -> str:
     return ""
 
 
-def main(work: Path, data_root: Path) -> None:
+def _from_run(checkpoint: Path, base: Path) -> dict[str, Any]:
+    """A run's checkpoint through ``PI05Policy.from_pretrained`` and LeRobot's processor loader,
+    offline from the store: whether its weights are the trial's own (``state_dict.pth``) to the
+    bit, which of the base's moved, and the action chunk it gives for an observation."""
+    import torch
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+    from safetensors.torch import load_file
+
+    from det_lab.policies import PRETRAINED_DIR
+
+    pretrained = checkpoint / PRETRAINED_DIR
+    policy = PI05Policy.from_pretrained(pretrained)
+    pre, post = make_pre_post_processors(policy.config, pretrained_path=str(pretrained))
+    loaded = policy.state_dict()
+    saved = torch.load(checkpoint / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
+    start = load_file(base / "model.safetensors")
+    observation = {"task": ["pick up the red block"], "observation.state": torch.rand(1, 3),
+                   CAMERA: torch.rand(1, 3, 24, 32)}
+    chunk = _chunk(pre, policy, post, observation)
+    return {"same_keys": sorted(loaded) == sorted(saved),
+            "differ": [k for k in saved if k not in loaded or not torch.equal(loaded[k], saved[k])],
+            "moved": sorted(k for k in start if k in loaded and not torch.equal(start[k].to(loaded[k]), loaded[k])),
+            "dtype": policy.config.dtype, "pretrained_path": str(policy.config.pretrained_path),
+            "chunk_shape": list(chunk.shape), "chunk_finite": bool(torch.isfinite(chunk).all())}
+
+
+def main(work: Path) -> None:
+    """The stages, one line each way: writes the tokenizer and the dataset (``made``); waits for
+    ``go`` (the tokenizer imported into the store), writes the tiny base (``base``), compares
+    det_lab and LeRobot (``stepped``); waits for a run's checkpoint directory (or a blank line), loads it
+    (``done``), having saved what it saw to ``WORKDIR/seen.pt``."""
     import torch
 
-    from det_lab.models import ModelStoreLayout
-    from det_lab.models.store import import_model
+    talk, sys.stdout = sys.stdout, sys.stderr  # LeRobot prints; stdout carries the protocol only
 
-    talk, sys.stdout = sys.stdout, sys.stderr  # LeRobot prints; stdout carries the answer only
-    imported = import_model(ModelStoreLayout(data_root / "models"), write_tiny_tokenizer(work / "tokenizer"),
-                            TOKENIZER_ID)
+    def say(word: str) -> None:
+        print(word, file=talk, flush=True)
+
+    write_tiny_tokenizer(work / "tokenizer")
     install()
     root = write_dataset(work / "dataset")
-    seen: dict[str, Any] = {"tokenizer_revision": imported.revision, "camera": CAMERA}
+    say("made")
+    if sys.stdin.readline().strip() != "go":
+        raise SystemExit("no go")
+    # its preprocessor loads the tokenizer by hub id: from the store, once it is there
+    write_tiny_base(work / "base", {"observation.state": (3,), CAMERA: (3, 32, 32), "action": (2,)})
+    say("base")
+    seen: dict[str, Any] = {}
     for kind in ("pi0", "pi05"):
         ours = _det_lab(root, kind, work / kind)
         seen[kind] = {"batches": _batches(root, kind), "det_lab": ours,
                       "loaded": _loaded(kind, Path(ours["exported"]), ours["observation"])}
         seen[kind]["lerobot_losses"], seen[kind]["lerobot_params"] = _lerobot(root, kind)
     seen["no_quantiles"] = _without_quantiles(root)
+    say("stepped")
+    line = sys.stdin.readline().strip()
+    if line:
+        seen["run"] = _from_run(Path(line), work / "base")
     torch.save(seen, work / "seen.pt")
-    print("done", file=talk, flush=True)
+    say("done")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), Path(sys.argv[2]))
+    main(Path(sys.argv[1]))

@@ -2,47 +2,102 @@
 
 LeRobot 0.4.4 (the newest for Python 3.11, the main test environment's) runs pi0/pi0.5 only on
 its transformers fork; 0.5+ runs them on PyPI's transformers and needs Python 3.12. So these run
-in a child process in the second environment tests/setup.sh makes (``.venv-lerobot06``: Python
-3.12, LeRobot 0.6.1, transformers 5.5, PyPI's torch 2.13.0), with a run's environment (the
-model store of a lab as ``HF_HOME``, offline): tests/pi_child.py. The policies are LeRobot's own
-code at a tiny size (tests/tiny_pi.py: its variant table and the PaliGemma config it fills shrunk,
-nothing else changed), the PaliGemma tokenizer a word-level one made by the tests and imported
-into the store by det_lab, the dataset written by LeRobot 0.6.1's own writer.
+in the second environment tests/setup.sh makes (``.venv-lerobot06``: Python 3.12, LeRobot 0.6.1,
+transformers 5.5, PyPI's torch 2.13.0): a child process (tests/pi_child.py) with a run's
+environment (a lab's model store as ``HF_HOME``, offline), and ``det-lab run`` from that
+environment. The policies are LeRobot's own code at a tiny size (tests/tiny_pi.py: its variant
+table and the PaliGemma config it fills shrunk, nothing else changed), the PaliGemma tokenizer and
+a pi0.5 base made by the tests and imported into the store with ``det-lab models import``, the
+dataset written by LeRobot 0.6.1's own writer and imported with ``det-lab data import``.
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.conftest import Lab
+
 REPO = Path(__file__).resolve().parents[1]
-PYTHON = REPO / ".venv-lerobot06" / "bin" / "python"
+BIN = REPO / ".venv-lerobot06" / "bin"
+TINY = REPO / "tests" / "tiny_pi.py"
 #: the same operations in the same order (measured: identical to the last bit)
 TOL = dict(rtol=1e-6, atol=1e-7)
+#: the shipped pi05.yaml shrunk for a test run (its dtype, gradient checkpointing and base kept): 3
+#: steps at batch 4, a validation and a checkpoint at step 3, an LR that moves each step
+RUN_SETS = [arg for item in (
+    f"entrypoint=python3 -m determined.launch.torch_distributed python3 {TINY} train.py",
+    "data.det_lab.dataset=pi-demo", "data.det_lab.max_length.batches=3", "min_validation_period.batches=3",
+    "min_checkpoint_period.batches=3", "hyperparameters.global_batch_size=4", "hyperparameters.val_episodes=1",
+    "hyperparameters.num_workers=0", "hyperparameters.torch_threads=1", "data.det_lab.reporting_batches=1",
+    "hyperparameters.policy.optimizer_lr=0.001", "hyperparameters.policy.scheduler_warmup_steps=1",
+    "hyperparameters.policy.scheduler_decay_steps=6") for arg in ("--set", item)]
 
-pytestmark = pytest.mark.skipif(not PYTHON.is_file(), reason=(
+pytestmark = pytest.mark.skipif(not (BIN / "python").is_file(), reason=(
     "needs LeRobot 0.6.1 on Python 3.12 in .venv-lerobot06, which bash tests/setup.sh makes where a "
     "Python 3.12 is installed"))
 
 
+def _expect(child: subprocess.Popen, word: str, log: Path) -> None:
+    line = child.stdout.readline().strip()
+    assert line == word, f"the child said {line!r}, not {word!r}:\n{log.read_text()[-4000:]}"
+
+
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict[str, Any]:
+    """What the child saw (its comparisons, the run's checkpoint loaded by LeRobot) and the run's record."""
+    import os
+
     import torch
 
     from det_lab.models import run_environment
 
     work = tmp_path_factory.mktemp("pi")
-    data_root = work / "data"
-    env = {"PATH": f"{PYTHON.parent}:/usr/bin:/bin", "HOME": str(work / "home"), "TQDM_DISABLE": "1",
-           "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           **run_environment(data_root, writable_cache=work / "cache", env={})}
-    done = subprocess.run([str(PYTHON), "-m", "tests.pi_child", str(work), str(data_root)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-4000:]
-    return torch.load(work / "seen.pt", weights_only=False)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER", "HF_"))}
+    env.update(DET_LAB_CONFIG=str(work / "lab.yaml"), XDG_CONFIG_HOME=str(work / "xdg-config"), COLUMNS="200",
+               HOME=str(work / "home"), DET_LAB_TEMPLATES=str(REPO / "experiment_templates"))
+    lab = Lab(root=work / "data", config=work / "lab.yaml", env=env)
+    lab.write_config(tracking={"backend": "none"})
+    child_env = {**env, "PATH": f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}", "TQDM_DISABLE": "1",
+                 "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+                 **run_environment(lab.root, writable_cache=work / "cache", env={})}
+    log = work / "child.log"
+    with open(log, "w") as err:
+        child = subprocess.Popen([str(BIN / "python"), "-m", "tests.pi_child", str(work)], cwd=REPO, env=child_env,
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        lab.cli("init", check=True)
+        _expect(child, "made", log)
+        lab.cli("models", "import", str(work / "tokenizer"), "google/paligemma-3b-pt-224", check=True)
+        lab.cli("data", "import", str(work / "dataset"), "pi-demo", "--project", "vla", check=True)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        _expect(child, "base", log)
+        lab.cli("models", "import", str(work / "base"), "lerobot/pi05_base", check=True)
+        run = subprocess.Popen([str(BIN / "det-lab"), "run", "vla", "--local", "--exp-config",
+                                str(REPO / "experiment_templates" / "vla" / "pi05.yaml"), "--run", "pi05", *RUN_SETS],
+                               env={**env, "PATH": child_env["PATH"]}, cwd=work, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        _expect(child, "stepped", log)
+        output = run.communicate(timeout=500)[0]
+        run_dir = lab.root / "outputs" / "vla" / "local-runs" / "pi05"
+        state = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
+        checkpoint = lab.root / "checkpoints" / "vla" / (state.get("latest_checkpoint") or "none")
+        child.stdin.write(f"{checkpoint}\n" if checkpoint.is_dir() else "\n")
+        child.stdin.close()
+        _expect(child, "done", log)
+        assert child.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        if child.poll() is None:
+            child.kill()
+    out = torch.load(work / "seen.pt", weights_only=False)
+    out.update(run={**out.get("run", {}), "code": run.returncode, "output": output, "state": state,
+                    "metrics": run_dir / "metrics.jsonl"})
+    return out
 
 
 @pytest.mark.parametrize("kind", ["pi0", "pi05"])
@@ -104,3 +159,37 @@ def test_pi05_on_a_dataset_without_quantiles_is_one_line_before_the_build(seen):
     assert refused and "\n" not in refused, refused
     assert "observation.state" in refused and "q01 or q99" in refused, refused
     assert "augment_dataset_quantile_stats" in refused, refused
+
+
+# --- the shipped pi05.yaml as a run: fine-tuned from the store's base, offline -------------------------
+
+
+def test_pi05_yaml_fine_tunes_the_stored_base_offline_on_python_3_12(seen):
+    """``det-lab run vla --local --exp-config pi05.yaml`` from the LeRobot 0.6.1 environment,
+    shrunk with ``--set`` (its bf16 ``dtype`` and gradient checkpointing kept): 3 steps reported
+    once each, a validation and a checkpoint at step 3; the lineage names the base's and the
+    tokenizer's revisions in the store."""
+    run = seen["run"]
+    assert run["code"] == 0, run["output"][-4000:]
+    state = run["state"]
+    assert state["status"] == "finished" and state["latest_checkpoint_step"] == 3
+    assert state["hparams"]["policy"]["pretrained"] == "lerobot/pi05_base"
+    records = [json.loads(line) for line in run["metrics"].read_text().splitlines()]
+    assert sorted(r["step"] for r in records if r["group"] == "training" and "loss" in r["metrics"]) == [1, 2, 3]
+    (validation,) = [r["metrics"] for r in records if r["group"] == "validation"]
+    assert {"val_loss", "val_action_l1", "val_action_l1_first"} <= set(validation)
+    named = {m["name"]: m["revision"] for m in state["lineage"]["models"]}
+    assert set(named) == {"lerobot/pi05_base", "google/paligemma-3b-pt-224"}
+
+
+def test_the_runs_checkpoint_loads_with_pi05policy_as_trained(seen):
+    """The run's checkpoint through ``PI05Policy.from_pretrained`` offline: the trial's own weights
+    to the bit, in the config's bf16; the action expert and the vision tower moved from the base
+    (pi0.5's defaults train the whole model); an action chunk of the trained size for the
+    dataset's 2 action values."""
+    loaded = seen["run"]
+    assert loaded["same_keys"] and loaded["differ"] == [], loaded["differ"][:5]
+    assert loaded["dtype"] == "bfloat16" and loaded["pretrained_path"] == "lerobot/pi05_base"
+    assert any(".gemma_expert." in k for k in loaded["moved"]), loaded["moved"][:5]
+    assert any(".vision_tower." in k for k in loaded["moved"]), loaded["moved"][:5]
+    assert loaded["chunk_shape"] == [1, 4, 2] and loaded["chunk_finite"]

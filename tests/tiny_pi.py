@@ -101,6 +101,33 @@ def write_tiny_tokenizer(dest: Path) -> Path:
     return dest
 
 
+def write_tiny_base(dest: Path, features: dict[str, tuple[int, ...]], seed: int = 0) -> Path:
+    """A random tiny pi0.5 (:data:`KEYS`) saved with LeRobot's own ``save_pretrained`` (config.json,
+    model.safetensors, the pre/post-processors with unit statistics), as ``lerobot/pi05_base``'s
+    files are laid out; :func:`install` must have run. ``features``: key -> shape, ``action`` the
+    output, ``observation.state`` the state, the rest cameras."""
+    import torch
+    from lerobot.configs.types import FeatureType, PolicyFeature
+    from lerobot.policies.factory import make_pre_post_processors
+    from lerobot.policies.pi05.configuration_pi05 import PI05Config
+    from lerobot.policies.pi05.modeling_pi05 import PI05Policy
+
+    def kind(key: str) -> FeatureType:
+        return {"action": FeatureType.ACTION, "observation.state": FeatureType.STATE}.get(key, FeatureType.VISUAL)
+
+    torch.manual_seed(seed)
+    cfg = PI05Config(device="cpu", **KEYS,
+                     input_features={k: PolicyFeature(kind(k), tuple(s)) for k, s in features.items() if k != "action"},
+                     output_features={"action": PolicyFeature(FeatureType.ACTION, tuple(features["action"]))})
+    policy = PI05Policy(cfg)
+    stats = {k: {"mean": torch.zeros(s), "std": torch.ones(s), "q01": -torch.ones(s), "q99": torch.ones(s)}
+             for k, s in features.items() if kind(k) is not FeatureType.VISUAL}
+    pre, post = make_pre_post_processors(cfg, dataset_stats=stats)
+    for part in (policy, pre, post):
+        part.save_pretrained(dest)
+    return dest
+
+
 if __name__ == "__main__":
     install()
     script = sys.argv[1]
