@@ -1,6 +1,7 @@
 """A LeRobot policy's training step through det_lab against the same step in LeRobot's own loop.
 
     python bench/policies.py [--steps 5] [--repeats 5] [--batch 8] [--policies act diffusion]
+    .venv-lerobot06/bin/python bench/policies.py --policies pi0 pi05    # LeRobot 0.5+ (Python 3.12)
 
 One process, one batch (det_lab's reader over a dataset LeRobot's own writer made: a 64x64 camera,
 state 6, action 6), per policy at a small size:
@@ -14,7 +15,10 @@ state 6, action 6), per policy at a small size:
 Arms are interleaved (``--steps`` of a, then of b, ``--repeats`` times) so machine load hits both
 alike; the figure is the median seconds per step and the ratio b/a (target: at most 1.05).
 LeRobot's ResNet backbones need torchvision: where PyPI's wheel does not import beside the local
-torch, the tests' ``tests/torchvision_shim.py`` declares its ops first.
+torch, the tests' ``tests/torchvision_shim.py`` declares its ops first. pi0 and pi0.5 (LeRobot 0.5+,
+whose pi0/pi0.5 run on PyPI's transformers) run at the tests' tiny size (``tests/tiny_pi.py``: about
+250 k parameters, its word-level PaliGemma tokenizer in a temporary model store), where det_lab's
+own work weighs the most against the step.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ SPECS: dict[str, dict[str, Any]] = {
                       n_action_steps=8, down_dims=[64, 128], diffusion_step_embed_dim=64, num_inference_steps=10),
 }
 SEED = 0
+#: LeRobot's pi0/pi0.5 at the tests' tiny size (tests/tiny_pi.py KEYS, set in main())
+PI = ("pi0", "pi05")
+REPO = Path(__file__).resolve().parents[1]
 
 
 def write_dataset(root: Path, episodes: int = 3, length: int = 40) -> Path:
@@ -133,18 +140,37 @@ def timed(arm: Any, batch: dict[str, Any], steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
-def shim() -> None:
-    """tests/torchvision_shim.py's ``install`` (by path: ``bench/`` is no package): it declares
-    torchvision's ops where PyPI's wheel does not load beside this torch, and does nothing elsewhere."""
+def test_module(name: str) -> Any:
+    """``tests/<name>.py`` loaded by path (``bench/`` is no package)."""
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("det_lab_torchvision_shim",
-                                                  Path(__file__).resolve().parents[1] / "tests" / "torchvision_shim.py")
+    spec = importlib.util.spec_from_file_location(f"det_lab_bench_{name}", REPO / "tests" / f"{name}.py")
     assert spec is not None and spec.loader is not None
-    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # its Library must live on
+    module = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))  # a Library must live on
     spec.loader.exec_module(module)
-    module.install()
+    return module
+
+
+def shim() -> None:
+    """tests/torchvision_shim.py's ``install``: it declares torchvision's ops where PyPI's wheel does
+    not load beside this torch, and does nothing elsewhere."""
+    test_module("torchvision_shim").install()
+
+
+def tiny_pi(tmp: Path) -> None:
+    """pi0/pi0.5 at the tests' tiny size in this process, their tokenizer in a model store under
+    ``tmp`` that ``HF_HOME`` names (before transformers is imported)."""
+    from det_lab.models import ModelStoreLayout, run_environment
+    from det_lab.models.store import import_model
+
+    os.environ.update(run_environment(tmp / "data", writable_cache=tmp / "cache"))
+    tiny = test_module("tiny_pi")
+    import_model(ModelStoreLayout(tmp / "data" / "models"), tiny.write_tiny_tokenizer(tmp / "tokenizer"),
+                 tiny.TOKENIZER_ID)
+    tiny.install()
+    for kind in PI:
+        SPECS[kind] = {"name": kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in tiny.KEYS.items()}}
 
 
 def main() -> None:
@@ -153,20 +179,23 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--policies", nargs="+", default=list(SPECS), choices=list(SPECS))
+    ap.add_argument("--policies", nargs="+", default=list(SPECS), choices=[*SPECS, *PI],
+                    help="pi0/pi0.5 need LeRobot 0.5+ (Python 3.12)")
     args = ap.parse_args()
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TQDM_DISABLE",
                 "HF_DATASETS_DISABLE_PROGRESS_BARS"):
         os.environ.setdefault(key, "1")
     warnings.filterwarnings("ignore", message="Cannot enable progress bars")  # LeRobot asks; the variable wins
-    shim()
-    import lerobot
-    from lerobot.utils.random_utils import set_seed
-
     torch.set_num_threads(args.threads)
     total = args.repeats * args.steps + 1
     rows = []
     with tempfile.TemporaryDirectory(prefix="det-lab-bench-policies-") as tmp:
+        if set(args.policies) & set(PI):
+            tiny_pi(Path(tmp))
+        shim()
+        import lerobot
+        from lerobot.utils.random_utils import set_seed
+
         root = write_dataset(Path(tmp) / "dataset")
         for kind in args.policies:
             batch = one_batch(root, kind, args.batch)
@@ -188,7 +217,7 @@ def main() -> None:
           f"action 6; median of {args.repeats} x {args.steps} steps, interleaved\n")
     print(f"{'policy':<10} {'params':>8} {'LeRobot s/step':>15} {'det_lab s/step':>15} {'ratio':>7} {'first loss equal':>17}")
     for kind, params, a, b, (la, lb) in rows:
-        print(f"{kind:<10} {params / 1e6:>7.1f}M {a:>15.3f} {b:>15.3f} {b / a:>6.3f}x {str(la == lb):>17}")
+        print(f"{kind:<10} {params / 1e6:>7.2f}M {a:>15.4f} {b:>15.4f} {b / a:>6.3f}x {str(la == lb):>17}")
 
 
 if __name__ == "__main__":
