@@ -23,8 +23,12 @@ config_file = tiny_config  # the tiny VLA config with dotted keys changed (tests
 FAST = {"DET_LAB_LOCK_LIFETIME": "15", "DET_LAB_FENCE_POLL": "1"}
 
 
-#: 80 batches, a checkpoint every 10, paced so that a node can be lost mid-run on a loaded machine
-PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 10}}
+#: 80 batches, a checkpoint every 10, paced so that a node can be lost mid-run on a loaded machine;
+#: a report every 5, so that :func:`past_first_checkpoint` holds for 5 batches after each checkpoint
+#: (with reports every 10, at the checkpoints' own steps, it held only while a checkpoint was being
+#: recorded: a poll once missed it until step 90, and it can miss it to the run's end)
+PACED = {"hyperparameters.sleep_per_batch": 0.4, "min_checkpoint_period": {"batches": 10},
+         "data.det_lab.reporting_batches": 5}
 
 
 def state(run_dir: Path) -> dict:
@@ -83,6 +87,7 @@ def local_run(lab: Lab, config: Path) -> Path:
 
 
 def past_first_checkpoint(run_dir: Path) -> bool:
+    """The run has a complete checkpoint and has reported a step after it (it trains on past it)."""
     if not (run_dir / "run.json").exists() or not (run_dir / "metrics.jsonl").exists():
         return False
     st = state(run_dir)
