@@ -17,8 +17,9 @@ alike; the figure is the median seconds per step and the ratio b/a (target: at m
 LeRobot's ResNet backbones need torchvision: where PyPI's wheel does not import beside the local
 torch, the tests' ``tests/torchvision_shim.py`` declares its ops first. pi0 and pi0.5 (LeRobot 0.5+,
 whose pi0/pi0.5 run on PyPI's transformers) run at the tests' tiny size (``tests/tiny_pi.py``: about
-250 k parameters, its word-level PaliGemma tokenizer in a temporary model store), where det_lab's
-own work weighs the most against the step.
+250 k parameters, its word-level PaliGemma tokenizer in a temporary model store), SmolVLA from scratch
+on the tests' tiny SmolVLM (``tests/tiny_smolvla.py``), where det_lab's own work weighs the most
+against the step.
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ SPECS: dict[str, dict[str, Any]] = {
 SEED = 0
 #: LeRobot's pi0/pi0.5 at the tests' tiny size (tests/tiny_pi.py KEYS, set in main())
 PI = ("pi0", "pi05")
+#: SmolVLA at the tests' tiny size (tests/tiny_smolvla.py, set in main())
+TINY_VLA = ("smolvla",)
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -158,6 +161,15 @@ def shim() -> None:
     test_module("torchvision_shim").install()
 
 
+def tiny_smolvla(tmp: Path) -> None:
+    """SmolVLA from scratch on the tests' tiny SmolVLM (tests/tiny_smolvla.py: its config,
+    word-level tokenizer and processor, written under ``tmp`` and named by path)."""
+    tiny = test_module("tiny_smolvla")
+    vlm = tiny.write_tiny_vlm(tmp / "vlm")
+    SPECS["smolvla"] = {"name": "smolvla", "vlm_model_name": str(vlm),
+                        **{k: list(v) if isinstance(v, tuple) else v for k, v in tiny.BASE_KEYS.items()}}
+
+
 def tiny_pi(tmp: Path) -> None:
     """pi0/pi0.5 at the tests' tiny size in this process, their tokenizer in a model store under
     ``tmp`` that ``HF_HOME`` names (before transformers is imported)."""
@@ -179,7 +191,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--policies", nargs="+", default=list(SPECS), choices=[*SPECS, *PI],
+    ap.add_argument("--policies", nargs="+", default=list(SPECS), choices=[*SPECS, *TINY_VLA, *PI],
                     help="pi0/pi0.5 need LeRobot 0.5+ (Python 3.12)")
     args = ap.parse_args()
     for key in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "TQDM_DISABLE",
@@ -192,6 +204,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="det-lab-bench-policies-") as tmp:
         if set(args.policies) & set(PI):
             tiny_pi(Path(tmp))
+        if set(args.policies) & set(TINY_VLA):
+            tiny_smolvla(Path(tmp))
         shim()
         import lerobot
         from lerobot.utils.random_utils import set_seed
