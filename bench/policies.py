@@ -202,11 +202,11 @@ def main() -> None:
     total = args.repeats * args.steps + 1
     rows = []
     with tempfile.TemporaryDirectory(prefix="det-lab-bench-policies-") as tmp:
+        shim()  # imports torch only: HF_HOME may still move (tiny_pi)
         if set(args.policies) & set(PI):
             tiny_pi(Path(tmp))
         if set(args.policies) & set(TINY_VLA):
             tiny_smolvla(Path(tmp))
-        shim()
         import lerobot
         from lerobot.utils.random_utils import set_seed
 
