@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from tests.child_talk import expect, finish
 from tests.conftest import Lab
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,11 +41,6 @@ RUN_SETS = [arg for item in (
 pytestmark = pytest.mark.skipif(not (BIN / "python").is_file(), reason=(
     "needs LeRobot 0.6.1 on Python 3.12 in .venv-lerobot06, which bash tests/setup.sh makes where a "
     "Python 3.12 is installed"))
-
-
-def _expect(child: subprocess.Popen, word: str, log: Path) -> None:
-    line = child.stdout.readline().strip()
-    assert line == word, f"the child said {line!r}, not {word!r}:\n{log.read_text()[-4000:]}"
 
 
 @pytest.fixture(scope="module")
@@ -71,26 +67,23 @@ def seen(tmp_path_factory) -> dict[str, Any]:
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
     try:
         lab.cli("init", check=True)
-        _expect(child, "made", log)
+        expect(child, "made", log)
         lab.cli("models", "import", str(work / "tokenizer"), "google/paligemma-3b-pt-224", check=True)
         lab.cli("data", "import", str(work / "dataset"), "pi-demo", "--project", "vla", check=True)
         child.stdin.write("go\n")
         child.stdin.flush()
-        _expect(child, "base", log)
+        expect(child, "base", log)
         lab.cli("models", "import", str(work / "base"), "lerobot/pi05_base", check=True)
         run = subprocess.Popen([str(BIN / "det-lab"), "run", "vla", "--local", "--exp-config",
                                 str(REPO / "experiment_templates" / "vla" / "pi05.yaml"), "--run", "pi05", *RUN_SETS],
                                env={**env, "PATH": child_env["PATH"]}, cwd=work, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        _expect(child, "stepped", log)
+        expect(child, "stepped", log)
         output = run.communicate(timeout=500)[0]
         run_dir = lab.root / "outputs" / "vla" / "local-runs" / "pi05"
         state = json.loads((run_dir / "run.json").read_text()) if (run_dir / "run.json").is_file() else {}
         checkpoint = lab.root / "checkpoints" / "vla" / (state.get("latest_checkpoint") or "none")
-        child.stdin.write(f"{checkpoint}\n" if checkpoint.is_dir() else "\n")
-        child.stdin.close()
-        _expect(child, "done", log)
-        assert child.wait(timeout=120) == 0, log.read_text()[-3000:]
+        finish(child, str(checkpoint) if checkpoint.is_dir() else "", log)
     finally:
         if child.poll() is None:
             child.kill()

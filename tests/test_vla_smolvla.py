@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.child_talk import expect, finish
 from tests.conftest import VENV_BIN, Lab
 from tests.lerobot_writer import skip_without_lerobot
 from tests.smolvla_models import child_env, run_sets
@@ -52,11 +53,6 @@ def _run(lab: Lab, env: dict[str, str], name: str, *sets: str) -> subprocess.Pop
                             start_new_session=True)
 
 
-def _expect(child: subprocess.Popen, word: str, log: Path) -> None:
-    line = child.stdout.readline().strip()
-    assert line == word, f"the child said {line!r}, not {word!r}:\n{log.read_text()[-3000:]}"
-
-
 @pytest.fixture(scope="module")
 def smolvla(demo_lab: Lab, tmp_path_factory) -> dict[str, Any]:
     """What the user's path and the child saw: a run before the import (the base missing), the
@@ -78,23 +74,20 @@ def smolvla(demo_lab: Lab, tmp_path_factory) -> dict[str, Any]:
         missing = _run(demo_lab, {}, "smolvla-missing", *RUN_SETS)
         out = {"missing": {"output": missing.communicate(timeout=300)[0], "code": missing.returncode,
                            "written": sorted(set(_tree(demo_lab.root)) - set(before))}}
-        _expect(child, "made", log)
+        expect(child, "made", log)
         for src, name in (("vlm", VLM_ID), ("base", BASE_ID)):
             demo_lab.cli("models", "import", str(work / src), name, check=True)
         run = _run(demo_lab, {}, "smolvla", *RUN_SETS)
         child.stdin.write("go\n")
         child.stdin.flush()
-        _expect(child, "stepped", log)
+        expect(child, "stepped", log)
         out["run"] = {"output": run.communicate(timeout=500)[0], "code": run.returncode}
         run_dir = demo_lab.root / "outputs" / "vla" / "local-runs" / "smolvla"
         state = json.loads((run_dir / "run.json").read_text())
         checkpoint = demo_lab.root / "checkpoints" / "vla" / (state.get("latest_checkpoint") or "none")
         dataset = pull("vla-demo", settings, progress=False).path
         request = {"checkpoint": str(checkpoint), "hparams": state["hparams"], "dataset": str(dataset)}
-        child.stdin.write(json.dumps(request) + "\n" if checkpoint.is_dir() else "\n")
-        child.stdin.close()
-        _expect(child, "done", log)
-        assert child.wait(timeout=120) == 0, log.read_text()[-3000:]
+        finish(child, json.dumps(request) if checkpoint.is_dir() else "", log)
     finally:
         if child.poll() is None:
             child.kill()
