@@ -183,7 +183,8 @@ RSL_RL_INSTALL = "pip install 'tensordict>=0.15,<0.16' && pip install --no-deps 
 PI_TRANSFORMERS = ("LeRobot's transformers fork that LeRobot 0.4's pi0/pi0.5 need (PyPI's transformers lacks it): "
                    "pip install 'transformers @ git+https://github.com/huggingface/transformers.git@fix/lerobot_openpi' "
                    "(LeRobot's pi extra), or, on Python 3.12+, LeRobot 0.5 or newer, whose pi0/pi0.5 run on "
-                   "PyPI's transformers: pip install 'lerobot[pi]>=0.5'")
+                   "PyPI's transformers (docs/researchers/smolvla.md, 'pi0 and pi0.5': how it installs beside "
+                   "Determined)")
 
 
 def _lerobot_pi(hparams: dict[str, Any]) -> bool:
