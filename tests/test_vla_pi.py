@@ -14,6 +14,8 @@ dataset written by LeRobot 0.6.1's own writer and imported with ``det-lab data i
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -46,8 +48,6 @@ pytestmark = pytest.mark.skipif(not (BIN / "python").is_file(), reason=(
 @pytest.fixture(scope="module")
 def seen(tmp_path_factory) -> dict[str, Any]:
     """What the child saw (its comparisons, the run's checkpoint loaded by LeRobot) and the run's record."""
-    import os
-
     import torch
 
     from det_lab.models import run_environment
@@ -65,6 +65,7 @@ def seen(tmp_path_factory) -> dict[str, Any]:
     with open(log, "w") as err:
         child = subprocess.Popen([str(BIN / "python"), "-m", "tests.pi_child", str(work)], cwd=REPO, env=child_env,
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True)
+    run: subprocess.Popen | None = None
     try:
         lab.cli("init", check=True)
         expect(child, "made", log)
@@ -87,6 +88,9 @@ def seen(tmp_path_factory) -> dict[str, Any]:
     finally:
         if child.poll() is None:
             child.kill()
+        if run is not None and run.poll() is None:  # a failed wait: the run and its trial go too
+            os.killpg(run.pid, signal.SIGKILL)
+            run.wait()
     out = torch.load(work / "seen.pt", weights_only=False)
     out.update(run={**out.get("run", {}), "code": run.returncode, "output": output, "state": state,
                     "metrics": run_dir / "metrics.jsonl"})
