@@ -207,17 +207,24 @@ def lab(tmp_path: Path) -> Lab:
     return lab
 
 
+def new_lab(tmp: Path, tracking: dict | None = None, **env_extra: str) -> Lab:
+    """A lab config under ``tmp`` (data root ``tmp/data``, home ``tmp/home``), its volume not yet
+    initialised; no tracker unless ``tracking`` names one; ``env_extra`` added to its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
+    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
+               HOME=str(tmp / "home"), **env_extra)
+    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
+    lab.write_config(tracking=tracking or {"backend": "none"})
+    return lab
+
+
 def tiny_data_lab(tmp: Path, tracking: dict | None = None) -> Lab:
-    """A lab under ``tmp`` with an initialised volume and the tiny regression dataset published
-    (:func:`publish_tiny_data`); no tracker unless ``tracking`` names one."""
+    """A lab under ``tmp`` (:func:`new_lab`) with an initialised volume and the tiny regression
+    dataset published (:func:`publish_tiny_data`)."""
     from det_lab.settings import load_settings
     from det_lab.volume import init_volume
 
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
-    env.update(DET_LAB_CONFIG=str(tmp / "lab.yaml"), XDG_CONFIG_HOME=str(tmp / "xdg-config"), COLUMNS="200",
-               HOME=str(tmp / "home"))
-    lab = Lab(root=tmp / "data", config=tmp / "lab.yaml", env=env)
-    lab.write_config(tracking=tracking or {"backend": "none"})
+    lab = new_lab(tmp, tracking)
     settings = load_settings(lab.config, env={})
     init_volume(settings)
     publish_tiny_data(settings, tmp)

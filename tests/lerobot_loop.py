@@ -1,11 +1,44 @@
-"""LeRobot's own training steps, written out from its functions in ``lerobot-train``'s order (0.4.4,
-``lerobot/scripts/lerobot_train.py``): the optimizer and scheduler presets, ``accelerator.prepare``,
-then per batch the preprocessor and ``update_policy``. The reference det_lab's steps are compared with."""
+"""LeRobot's own training steps, written out from its functions in ``lerobot-train``'s order (0.4.4
+and 0.6.1, ``lerobot/scripts/lerobot_train.py``): the optimizer and scheduler presets,
+``accelerator.prepare``, then per batch the preprocessor and ``update_policy``. The reference
+det_lab's steps are compared with; :func:`scratch_steps` builds a policy from scratch first, on
+LeRobot's own reader (:func:`lerobot_reader`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+
+def collate(items: list[dict[str, Any]]) -> dict[str, Any]:
+    """PyTorch's default collate: what LeRobot's and det_lab's loaders both use."""
+    import torch
+
+    return torch.utils.data.default_collate(items)
+
+
+def lerobot_reader(root: Any, repo_id: str, cfg: Any) -> Any:
+    """LeRobot's own reader over ``root`` with the offsets ``cfg`` asks for (``make_dataset``'s way)."""
+    from lerobot.datasets.factory import resolve_delta_timestamps
+    from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
+
+    meta = LeRobotDatasetMetadata(repo_id, root=root)
+    return LeRobotDataset(repo_id, root=root, delta_timestamps=resolve_delta_timestamps(cfg, meta))
+
+
+def scratch_steps(root: Any, repo_id: str, kind: str, keys: dict[str, Any], batches: Sequence[Sequence[int]],
+                  seed: int, total_steps: int) -> tuple[list[float], dict[str, Any]]:
+    """LeRobot's own loop from scratch on its reader: ``set_seed`` -> make_policy_config ->
+    make_policy -> make_pre_post_processors -> :func:`lerobot_steps`."""
+    from lerobot.policies.factory import make_policy, make_policy_config, make_pre_post_processors
+    from lerobot.utils.random_utils import set_seed
+
+    set_seed(seed)
+    cfg = make_policy_config(kind, device="cpu", **keys)
+    dataset = lerobot_reader(root, repo_id, cfg)
+    policy = make_policy(cfg, ds_meta=dataset.meta)
+    preprocessor, _ = make_pre_post_processors(policy_cfg=cfg, dataset_stats=dataset.meta.stats)
+    return lerobot_steps(policy, cfg, preprocessor, dataset, batches, collate, total_steps)
 
 
 def lerobot_steps(policy: Any, cfg: Any, preprocessor: Any, dataset: Any, batches: Sequence[Sequence[int]],

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tests.lerobot_loop import collate, lerobot_reader, scratch_steps
 from tests.tiny_pi import KEYS, install, write_tiny_base, write_tiny_tokenizer
 from tests.tiny_smolvla import BATCHES, CAMERA, SEED, write_dataset
 
@@ -33,23 +34,8 @@ SPECS = {kind: {"name": kind, **{k: list(v) if isinstance(v, tuple) else v for k
          for kind in ("pi0", "pi05")}
 
 
-def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
-    return torch.utils.data.default_collate(items)
-
-
 def _keys(kind: str) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in SPECS[kind].items() if k != "name"}
-
-
-def _theirs(root: Path, cfg: Any) -> Any:
-    """LeRobot's reader with the offsets ``cfg`` asks for (``make_dataset``'s way)."""
-    from lerobot.datasets.factory import resolve_delta_timestamps
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
-
-    meta = LeRobotDatasetMetadata("local/smolvla", root=root)
-    return LeRobotDataset("local/smolvla", root=root, delta_timestamps=resolve_delta_timestamps(cfg, meta))
 
 
 def _batches(root: Path, kind: str) -> dict[str, Any]:
@@ -63,7 +49,7 @@ def _batches(root: Path, kind: str) -> dict[str, Any]:
 
     cfg = make_config(parse_policy(SPECS[kind]), "cpu")
     frames = LeRobotDataset(root)
-    ours, theirs = PolicyFrames(frames, delta_indices(cfg, dataset_meta(frames))), _theirs(root, cfg)
+    ours, theirs = PolicyFrames(frames, delta_indices(cfg, dataset_meta(frames))), lerobot_reader(root, "local/smolvla", cfg)
     differ, padded = [], 0
     for i in range(len(theirs)):
         a, b = ours[i], theirs[i]
@@ -92,11 +78,11 @@ def _det_lab(root: Path, kind: str, out: Path) -> dict[str, Any]:
     training = build_training(parse_policy(SPECS[kind]), dataset_meta(frames), total_steps=10)
     initial = {k: v.detach().clone() for k, v in training.policy.state_dict().items()}
     items = PolicyFrames(frames, training.delta_indices)  # every frame: index i is dataset index i
-    observation = _observation(_collate([items[i] for i in (0, 17, 33)]))
+    observation = _observation(collate([items[i] for i in (0, 17, 33)]))
     initial_chunk = _chunk(training.preprocessor, training.policy, training.postprocessor, observation)
     losses, keys = [], set()
     for indices in BATCHES:
-        metrics = training.train_step(_collate([items[i] for i in indices]))
+        metrics = training.train_step(collate([items[i] for i in indices]))
         losses.append(float(metrics["loss"]))
         keys |= set(metrics)
     return {"losses": losses, "metric_keys": sorted(keys), "initial": initial,
@@ -116,22 +102,6 @@ def _chunk(pre: Any, policy: Any, post: Any, observation: dict[str, Any]) -> Any
     with torch.random.fork_rng(), torch.no_grad():  # training's random stream is left as it was
         torch.manual_seed(0)  # the flow's starting noise
         return post(policy.predict_action_chunk(pre(dict(observation))))
-
-
-def _lerobot(root: Path, kind: str) -> tuple[list[float], dict[str, Any]]:
-    """LeRobot's own loop: make_policy_config -> make_policy -> make_pre_post_processors -> presets
-    -> ``accelerator.prepare`` -> per batch the preprocessor and ``update_policy``, on its reader."""
-    from lerobot.policies.factory import make_policy, make_policy_config, make_pre_post_processors
-    from lerobot.utils.random_utils import set_seed
-
-    from tests.lerobot_loop import lerobot_steps
-
-    set_seed(SEED)
-    cfg = make_policy_config(kind, device="cpu", **_keys(kind))
-    dataset = _theirs(root, cfg)
-    policy = make_policy(cfg, ds_meta=dataset.meta)
-    preprocessor, _ = make_pre_post_processors(policy_cfg=cfg, dataset_stats=dataset.meta.stats)
-    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, _collate, 10)
 
 
 def _loaded(kind: str, pretrained: Path, observation: dict[str, Any]) -> dict[str, Any]:
@@ -213,7 +183,8 @@ def main(work: Path) -> None:
         ours = _det_lab(root, kind, work / kind)
         seen[kind] = {"batches": _batches(root, kind), "det_lab": ours,
                       "loaded": _loaded(kind, Path(ours["exported"]), ours["observation"])}
-        seen[kind]["lerobot_losses"], seen[kind]["lerobot_params"] = _lerobot(root, kind)
+        seen[kind]["lerobot_losses"], seen[kind]["lerobot_params"] = scratch_steps(
+            root, "local/smolvla", kind, _keys(kind), BATCHES, SEED, 10)
     seen["no_quantiles"] = _without_quantiles(root)
     say("stepped")
     line = sys.stdin.readline().strip()

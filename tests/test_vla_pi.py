@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tests.child_talk import expect, finish
-from tests.conftest import Lab
+from tests.conftest import new_lab
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / ".venv-lerobot06" / "bin"
@@ -53,11 +53,8 @@ def seen(tmp_path_factory) -> dict[str, Any]:
     from det_lab.models import run_environment
 
     work = tmp_path_factory.mktemp("pi")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER", "HF_"))}
-    env.update(DET_LAB_CONFIG=str(work / "lab.yaml"), XDG_CONFIG_HOME=str(work / "xdg-config"), COLUMNS="200",
-               HOME=str(work / "home"), DET_LAB_TEMPLATES=str(REPO / "experiment_templates"))
-    lab = Lab(root=work / "data", config=work / "lab.yaml", env=env)
-    lab.write_config(tracking={"backend": "none"})
+    lab = new_lab(work, DET_LAB_TEMPLATES=str(REPO / "experiment_templates"))
+    env = lab.env = {k: v for k, v in lab.env.items() if not k.startswith("HF_")}  # a run's own: run_environment
     child_env = {**env, "PATH": f"{BIN}:{env.get('PATH', '/usr/bin:/bin')}", "TQDM_DISABLE": "1",
                  "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                  **run_environment(lab.root, writable_cache=work / "cache", env={})}

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.conftest import VENV_BIN, Lab
-from tests.lerobot_loop import lerobot_steps
+from tests.lerobot_loop import collate, lerobot_reader, scratch_steps
 from tests.lerobot_writer import skip_without_lerobot
 
 REPO = Path(__file__).resolve().parents[1]
@@ -104,13 +104,7 @@ def written(offline, tmp_path_factory) -> Path:
 
 
 def _theirs(root: Path, cfg: Any) -> Any:
-    """LeRobot's own reader over ``root`` with the offsets ``cfg`` asks for (``make_dataset``'s way)."""
-    from lerobot.datasets.factory import resolve_delta_timestamps
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset as LeRobotReader
-    from lerobot.datasets.lerobot_dataset import LeRobotDatasetMetadata
-
-    meta = LeRobotDatasetMetadata("local/policies", root=root)
-    return LeRobotReader("local/policies", root=root, delta_timestamps=resolve_delta_timestamps(cfg, meta))
+    return lerobot_reader(root, "local/policies", cfg)
 
 
 def _ours(root: Path, kind: str, total_steps: int = 10):
@@ -124,12 +118,6 @@ def _ours(root: Path, kind: str, total_steps: int = 10):
     set_seed(SEED)
     training = build_training(parse_policy(SPECS[kind]), dataset_meta(frames), total_steps=total_steps)
     return training, PolicyFrames(frames, training.delta_indices)  # every frame: index i is dataset index i
-
-
-def _collate(items: list[dict]) -> dict:
-    import torch
-
-    return torch.utils.data.default_collate(items)
 
 
 # --- batches: det_lab's reader serves LeRobot's items ----------------------------------------------
@@ -175,18 +163,9 @@ def test_batches_equal_lerobots_items(written, kind):
 
 def _lerobot_loop(root: Path, kind: str, total_steps: int = 10) -> tuple[list[float], dict]:
     """LeRobot's own loop, written out from its functions (``lerobot-train``'s order), on
-    LeRobot's reader: make_policy_config -> make_policy -> make_pre_post_processors -> presets ->
-    ``accelerator.prepare`` -> per batch: preprocessor, ``update_policy``."""
-    from lerobot.policies.factory import make_policy, make_policy_config, make_pre_post_processors
-    from lerobot.utils.random_utils import set_seed
-
+    LeRobot's reader (tests/lerobot_loop.py ``scratch_steps``)."""
     keys = {k: tuple(v) if isinstance(v, list) else v for k, v in SPECS[kind].items() if k != "name"}
-    set_seed(SEED)
-    cfg = make_policy_config(kind, device="cpu", **keys)
-    dataset = _theirs(root, cfg)
-    policy = make_policy(cfg, ds_meta=dataset.meta)
-    preprocessor, _ = make_pre_post_processors(policy_cfg=cfg, dataset_stats=dataset.meta.stats)
-    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, _collate, total_steps)
+    return scratch_steps(root, "local/policies", kind, keys, BATCHES, SEED, total_steps)
 
 
 @pytest.mark.parametrize("kind", sorted(SPECS))
@@ -202,7 +181,7 @@ def test_first_steps_give_lerobots_losses_and_parameters(written, kind):
     ours, seconds = [], []
     for indices in BATCHES:
         start = time.perf_counter()
-        metrics = training.train_step(_collate([items[i] for i in indices]))
+        metrics = training.train_step(collate([items[i] for i in indices]))
         seconds.append(time.perf_counter() - start)
         ours.append(float(metrics["loss"]))
         if kind == "act":
@@ -422,7 +401,7 @@ def test_checkpoint_loads_with_lerobots_from_pretrained_and_acts_as_the_trial_di
     training = build_training(parse_policy(state["hparams"]["policy"]), dataset_meta(frames), total_steps=1)
     weights = torch.load(ckpt / "state_dict.pth", map_location="cpu", weights_only=False)["models_state_dict"][0]
     training.policy.load_state_dict(weights)
-    batch = _collate([PolicyFrames(frames, training.delta_indices)[i] for i in (0, 45, 77)])
+    batch = collate([PolicyFrames(frames, training.delta_indices)[i] for i in (0, 45, 77)])
     observation = {k: v for k, v in batch.items() if k.startswith("observation.") or k == "task"}
 
     training.policy.eval()

@@ -17,7 +17,8 @@ import yaml
 
 from tests import expconf
 from tests.lerobot_writer import skip_without_lerobot
-from tests.test_vla_policies import BATCHES, SPECS, TEMPLATE, _collate, offline, written  # noqa: F401 (fixtures)
+from tests.lerobot_loop import collate
+from tests.test_vla_policies import BATCHES, SPECS, TEMPLATE, offline, written  # noqa: F401 (fixtures)
 
 pytestmark = skip_without_lerobot()
 
@@ -93,7 +94,7 @@ def test_accumulated_micro_batches_give_the_whole_batchs_step(written):
     second step's gradients were 2.2e-4 and its parameters 4.5e-4 apart on one torch thread (2.9e-6
     and 2.4e-5 on two), the same drift two ranks showed (experiment_templates/vla/README.md)."""
     whole, items = _training(written, DETERMINISTIC_ACT)
-    batches = [_collate([items[i] for i in b]) for b in BATCHES]
+    batches = [collate([items[i] for i in b]) for b in BATCHES]
     losses, grads, states, before = _steps(whole, batches)
     initial = before[0]["policy"]
     grad_tol, param_tol = dict(rtol=1e-5, atol=2e-6), dict(rtol=0, atol=1e-4)
@@ -143,7 +144,7 @@ def test_bf16_autocast_trains_over_fp32_weights(written):
     training, items = _training(written, {**SPECS["act"], "precision": "bf16"})
     seen: list[torch.dtype] = []
     training.policy.model.action_head.register_forward_hook(lambda _m, _i, out: seen.append(out.dtype))
-    batch = _collate([items[i] for i in BATCHES[0]])
+    batch = collate([items[i] for i in BATCHES[0]])
     losses = [float(training.train_step(batch)["loss"]) for _ in range(6)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.8 * losses[0], losses
     assert set(seen) == {torch.bfloat16}

@@ -158,12 +158,6 @@ def write_dataset(root: Path, state: int = 3, action: int = 2) -> Path:
     return root
 
 
-def _collate(items: list[dict[str, Any]]) -> dict[str, Any]:
-    import torch
-
-    return torch.utils.data.default_collate(items)
-
-
 def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
     """LeRobot's own fine-tune, written out from its functions in ``lerobot-train``'s order
     (``lerobot/scripts/lerobot_train.py``: a ``policy.path`` config, ``make_policy`` with the
@@ -177,7 +171,7 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
     from lerobot.policies.factory import make_policy, make_pre_post_processors
     from lerobot.utils.random_utils import set_seed
 
-    from tests.lerobot_loop import lerobot_steps
+    from tests.lerobot_loop import collate, lerobot_steps
 
     set_seed(SEED)
     keys = {k: v for k, v in FINE_TUNE.items() if k not in ("name", "pretrained", "rename_map")}
@@ -199,7 +193,7 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
         postprocessor_overrides={"unnormalizer_processor": {
             "stats": stats, "features": policy.config.output_features,
             "norm_map": policy.config.normalization_mapping}})
-    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, _collate, 10)
+    return lerobot_steps(policy, cfg, preprocessor, dataset, BATCHES, collate, 10)
 
 
 def _det_lab_steps(root: Path) -> dict[str, Any]:
@@ -212,6 +206,8 @@ def _det_lab_steps(root: Path) -> dict[str, Any]:
     from det_lab.formats import LeRobotDataset
     from det_lab.policies import PolicyError, PolicyFrames, build_training, dataset_meta, parse_policy
 
+    from tests.lerobot_loop import collate
+
     frames = LeRobotDataset(root)
     set_seed(SEED)
     training = build_training(parse_policy(FINE_TUNE), dataset_meta(frames), total_steps=10)
@@ -219,7 +215,7 @@ def _det_lab_steps(root: Path) -> dict[str, Any]:
     items = PolicyFrames(frames, training.delta_indices)  # every frame: index i is dataset index i
     losses, keys = [], set()
     for indices in BATCHES:
-        metrics = training.train_step(_collate([items[i] for i in indices]))
+        metrics = training.train_step(collate([items[i] for i in indices]))
         losses.append(float(metrics["loss"]))
         keys |= set(metrics)
     meta = dataset_meta(frames)
@@ -248,12 +244,14 @@ def _from_checkpoint(checkpoint: Path, hparams: dict[str, Any], dataset: Path) -
     from det_lab.formats import LeRobotDataset
     from det_lab.policies import PRETRAINED_DIR, PolicyFrames, build_training, dataset_meta, parse_policy
 
+    from tests.lerobot_loop import collate
+
     pretrained = checkpoint / PRETRAINED_DIR
     policy = SmolVLAPolicy.from_pretrained(pretrained)
     preprocessor, postprocessor = make_pre_post_processors(policy.config, pretrained_path=str(pretrained))
     frames = LeRobotDataset(dataset)
     training = build_training(parse_policy(hparams["policy"]), dataset_meta(frames), total_steps=1)
-    batch = _collate([PolicyFrames(frames, training.delta_indices)[i] for i in (0, 45, 77)])
+    batch = collate([PolicyFrames(frames, training.delta_indices)[i] for i in (0, 45, 77)])
     observation = {k: v for k, v in batch.items() if k.startswith("observation.") or k == "task"}
 
     def chunk(pre: Any, model: Any, post: Any) -> torch.Tensor:
