@@ -160,6 +160,20 @@ def job_checkpoints(ckpts: Path, job_id: str) -> dict[str, dict]:
     return out
 
 
+def orphan_report(ckpts: Path, orphans: set[str], written: dict[str, dict], st: dict, log: str) -> str:
+    """Why a checkpoint is outside the run's chain: who wrote it, at which step, and when, beside
+    the attempts' start times and the stale copy's own line."""
+    lines = [f"attempts: {st['slurm']['attempts']}", f"chain: {[(c['step'], c['uuid']) for c in st['checkpoints']]}"]
+    for uuid in sorted(orphans):
+        meta, files = written[uuid], sorted((ckpts / uuid).rglob("*"))
+        mtimes = {p.name: time.strftime("%H:%M:%S", time.gmtime(p.stat().st_mtime)) + f"{p.stat().st_mtime % 1:.3f}"[1:]
+                  for p in files if p.is_file()}
+        lines.append(f"orphan {uuid}: step {meta.get('steps_completed')} node {meta['det_lab'].get('slurm_node')} "
+                     f"files {mtimes}")
+    lines += [x for x in log.splitlines() if "stale" in x or "resum" in x.lower()]
+    return "\n".join(lines)
+
+
 def check_run(bed: Bed, run_dir: Path, straight_dir: Path) -> dict:
     """What every scenario must end with: finished at its last batch in one run record, checkpoints in
     step order with the pointer on the last, every metric once, the losses of the uninterrupted run,

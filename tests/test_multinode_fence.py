@@ -25,6 +25,7 @@ from det_lab.runs.fence import (
     StaleAttempt,
     begin_attempt,
     read_attempt,
+    sweep_unrecorded,
 )
 
 # a stand-in for a trial's chief: it writes a line per "step" to the run's file after the fence's
@@ -212,3 +213,33 @@ def test_the_record_is_published_by_the_current_attempt_only(tmp_path):
     assert current.returncode == 0 and current.stdout.strip() == "written", current
     assert SlurmRunRecord(tmp_path).state()["by"] == "attempt 2"
     assert not list(tmp_path.glob(".attempt-*/.*.tmp"))
+
+
+def _checkpoint(root: Path, uuid: str, lab: dict | None, step: int = 50) -> Path:
+    """A checkpoint directory as Determined's ``store_path`` leaves it: the files, then
+    ``metadata.json`` with det_lab's lineage under ``det_lab`` (None: the files only, mid-write)."""
+    path = root / uuid
+    path.mkdir(parents=True)
+    (path / "state_dict.pth").write_bytes(b"weights")
+    if lab is not None:
+        (path / "metadata.json").write_text(json.dumps({"steps_completed": step, "det_lab": lab}))
+    return path
+
+
+def test_the_next_attempt_removes_only_the_complete_checkpoints_an_older_attempt_left_unrecorded(tmp_path):
+    """A copy found stale between a checkpoint's metadata.json and its pointer switch leaves a
+    complete checkpoint nothing names (seen in the cut-off test: step 50 of attempt 1, written as
+    attempt 2 began). Attempt 2 removes that one; everything else under the root stays."""
+    run = {"run_key": "vla/run-1"}
+    orphan = _checkpoint(tmp_path, "orphan", {**run, "attempt": 1})
+    keep = [_checkpoint(tmp_path, "recorded", {**run, "attempt": 1}, 40),  # the record names it
+            _checkpoint(tmp_path, "current", {**run, "attempt": 2}, 60),  # this attempt's own, not recorded yet
+            _checkpoint(tmp_path, "other-run", {"run_key": "vla/run-2", "attempt": 1}),
+            _checkpoint(tmp_path, "being-written", None),  # no metadata.json: maybe another run's, mid-write
+            _checkpoint(tmp_path, "older-det-lab", run),  # no attempt recorded: not known to be stale
+            _checkpoint(tmp_path, "damaged", {**run, "attempt": "one"})]
+    (tmp_path / "linked").symlink_to(orphan)
+    assert sweep_unrecorded(tmp_path, "vla/run-1", 2, ["recorded"]) == [("orphan", 50)]
+    assert not orphan.exists() and all((k / "state_dict.pth").exists() for k in keep)
+    assert sweep_unrecorded(tmp_path, "vla/run-1", 1, []) == []  # a first attempt has no older one
+    assert sweep_unrecorded(tmp_path / "missing", "vla/run-1", 3, []) == []

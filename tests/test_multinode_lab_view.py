@@ -26,6 +26,7 @@ import pytest
 from tests import multinode_steps as mn
 from tests.conftest import VENV_BIN
 from tests.multihost import Bed, Host, multihost  # noqa: F401 (fixture)
+from tests.sendmail_standin import write_sendmail
 from tests.test_gpu_leases import TRIAL, trial_config
 from tests.test_monitoring_nvml import build_shim
 
@@ -44,10 +45,7 @@ class View:
         self.dir = Path(tempfile.mkdtemp(prefix="lab-view-", dir=self.c.dir))
         self.dir.chmod(0o755)
         self.nvml = build_shim(self.dir)
-        (self.dir / "mail").mkdir()
-        sendmail = self.dir / "sendmail"  # the machine's MTA, reduced to keeping each message
-        sendmail.write_text(f"#!/bin/sh\ncat > {self.dir / 'mail'}/$$.$(date +%s%N).eml\n")
-        sendmail.chmod(0o755)
+        sendmail = write_sendmail(self.dir / "sendmail", self.dir / "mail")
         self.lab.write_config(tracking={"backend": "none"}, watchdog={
             "interval": INTERVAL, "rule": {"window": WINDOW, "grace": GRACE},
             "mail": {"domain": "lab.example", "sendmail": str(sendmail)}})

@@ -144,7 +144,8 @@ def test_a_cut_off_node_s_copy_writes_nothing_after_the_requeued_copy_started(be
     ckpts = lab.root / "checkpoints" / "vla"
     mine = {c_["uuid"] for c_ in st["checkpoints"]}
     written = mn.job_checkpoints(ckpts, job_id)
-    assert set(written) <= mine | {d["uuid"] for d in st.get("checkpoints_deleted", [])}, set(written) - mine
+    orphans = set(written) - mine - {d["uuid"] for d in st.get("checkpoints_deleted", [])}
+    assert not orphans, mn.orphan_report(ckpts, orphans, written, st, log)
     by_old = sorted(m["steps_completed"] for m in written.values() if m["det_lab"].get("slurm_node") == node)
     by_new = sorted(m["steps_completed"] for m in written.values() if m["det_lab"].get("slurm_node") != node)
     assert by_old and by_new and max(by_old) < min(by_new), (by_old, by_new)

@@ -26,6 +26,7 @@ from typing import ClassVar
 import pytest
 
 from tests.conftest import VENV_BIN, Lab
+from tests.sendmail_standin import write_sendmail
 from tests.slurm_cluster import slurm_cluster  # noqa: F401  (a fixture)
 from tests.test_monitoring_nvml import build_shim
 
@@ -77,11 +78,7 @@ def nvml(tmp_path):
 
 
 def make_lab(tmp_path: Path, webhook_url: str | None = None, **watchdog) -> Lab:
-    sendmail = tmp_path / "sendmail"
-    (tmp_path / "mail").mkdir(exist_ok=True)
-    # the machine's MTA, reduced to keeping each message it is handed
-    sendmail.write_text(f"#!/bin/sh\ncat > {tmp_path / 'mail'}/$$.eml\n")
-    sendmail.chmod(0o755)
+    sendmail = write_sendmail(tmp_path / "sendmail", tmp_path / "mail")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DET_LAB_", "MLFLOW_", "DET_MASTER"))}
     env.update(DET_LAB_CONFIG=str(tmp_path / "lab.yaml"), XDG_CONFIG_HOME=str(tmp_path / "xdg"), COLUMNS="200",
                DET_LAB_GPU_STATE_DIR=str(tmp_path / "gpu-state"))  # this test's GPU leases: not another test's

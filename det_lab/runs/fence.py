@@ -37,7 +37,9 @@ How:
   - *Checkpoints*: their files are written after a check, and their ``metadata.json`` (what makes a
     directory a checkpoint: resume, retention and the record go by it) only after another check.
     A checkpoint becomes the run's only when the record names it, through a published
-    ``run.json``; files a stale copy left without one are no checkpoint to det_lab.
+    ``run.json``; files a stale copy left without one are no checkpoint to det_lab, and the next
+    attempt removes a complete one that it left (its ``metadata.json`` names the attempt that wrote
+    it: :func:`sweep_unrecorded`) once it holds the run's trainer lock.
   - *The tracking sender* (a process of its own, :mod:`det_lab.tracking.delivery`): it writes no
     delivery cursor once a newer trial writes the journal, and never moves one backwards.
 - **A stale copy stops itself**: one log line, its trainer lock released (so the current attempt,
@@ -71,7 +73,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -168,6 +170,40 @@ def begin_attempt(run_dir: Path, job_id: str = "", restart: int = 0, node: str =
     except LockTimeout as exc:
         raise StaleAttempt(f"the run's attempt lock stayed taken: {exc}") from None
     return new
+
+
+#: the key of a checkpoint's ``metadata.json`` (under ``det_lab``) that names the attempt that wrote it
+CHECKPOINT_ATTEMPT_KEY = "attempt"
+
+
+def sweep_unrecorded(root: Path, run_key: str, epoch: int, recorded: Iterable[str]) -> list[tuple[str, object]]:
+    """Remove the checkpoints under ``root`` that an older attempt of run ``run_key`` completed but
+    never recorded, and return their ``(uuid, step)``.
+
+    Why: a copy found stale between its checkpoint's ``metadata.json`` and the pointer switch
+    stops, leaving a complete checkpoint that nothing names; nothing can take it up any more (an
+    older attempt's publishes are refused) and it may hold gigabytes. The current attempt calls
+    this once it holds the run's trainer lock, so the older copy has stopped (or its lock expired).
+    Only checkpoints that name this run and an older attempt in their own metadata are touched:
+    another run's, this attempt's, and those of a det_lab that did not record attempts stay."""
+    from det_lab.runs.retention import remove_checkpoint
+
+    keep, removed = set(recorded), []
+    if epoch <= 1 or not root.is_dir():
+        return removed
+    for path in root.iterdir():
+        if path.name in keep or path.is_symlink():
+            continue
+        try:
+            meta = json.loads((path / "metadata.json").read_bytes())
+            lab = meta["det_lab"]
+            older = lab["run_key"] == run_key and int(lab[CHECKPOINT_ATTEMPT_KEY]) < epoch
+        except (OSError, ValueError, TypeError, KeyError):
+            continue  # not a complete checkpoint, or not one of a fenced attempt
+        if older:
+            remove_checkpoint(path)
+            removed.append((path.name, meta.get("steps_completed")))
+    return removed
 
 
 class Fence:

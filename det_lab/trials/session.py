@@ -37,7 +37,7 @@ from det_lab.settings import LabSettings, env_value
 from det_lab.tracking import DeliverySummary, Mirror, open_mirror
 from det_lab.tracking.events import flatten
 from det_lab.tracking.null_mirror import NullMirror
-from det_lab.runs.fence import Fence
+from det_lab.runs.fence import CHECKPOINT_ATTEMPT_KEY, Fence, sweep_unrecorded
 from det_lab.runs.expconf import LabTrialConfig, Length, lab_section, training_length
 from det_lab.trials.gpu_sampler import DEFAULT_INTERVAL_S, GpuSampler
 from det_lab.trials.gpu_sampler import merge as merge_efficiency
@@ -132,6 +132,7 @@ class LabSession:
             self.fence.check("the run record")
             self.record.update(status=RunStatus.RUNNING.value)
             self._retain()  # a retention pass a kill interrupted is finished before training
+            self._sweep_stale_attempts()
         if self.identity.seed is not None:
             seed_everything(self.identity.seed)
         self.dataset = self._pull_dataset()
@@ -198,6 +199,8 @@ class LabSession:
 
     def checkpoint_metadata(self, metadata: dict[str, Any]) -> dict[str, Any]:
         self.fence.check("a checkpoint")  # called before the checkpoint's files are written
+        if self.fence.active:  # which attempt wrote it: the next one removes it if it stays unrecorded
+            return {**metadata, "det_lab": {**self.lineage, CHECKPOINT_ATTEMPT_KEY: self.fence.epoch}}
         return {**metadata, "det_lab": self.lineage}
 
     def checkpoint_written(self, path: Path) -> None:
@@ -220,6 +223,25 @@ class LabSession:
         if ds is not None and ds.rev != DIRECTORY_REV:
             note_use(VolumeLayout.from_settings(self.settings), ds.project, ds.md5.removesuffix(".dir"))
 
+    def _checkpoint_root(self) -> Path:
+        layout = VolumeLayout.from_settings(self.settings)
+        return self.checkpoint_dir or layout.experiment_checkpoints(self.identity.project, self.identity.exp_conf)
+
+    def _sweep_stale_attempts(self) -> None:
+        """Remove the complete checkpoints an older attempt of this run left unrecorded (it was found
+        stale before its pointer switch; runs.fence); a failure is logged, never fatal."""
+        if not self.fence.active:
+            return
+        try:
+            recorded = [c["uuid"] for c in self.record.state().get("checkpoints", [])]
+            removed = sweep_unrecorded(self._checkpoint_root(), self.identity.run.key, self.fence.epoch, recorded)
+        except Exception as exc:  # noqa: BLE001 (a sweep must never stop a trial)
+            log.warning("det_lab: checkpoints of older attempts not swept: %s", exc)
+            return
+        for uuid, step in removed:
+            log.info("det_lab: removed checkpoint %s (step %s): an older attempt of this run wrote it "
+                     "and stopped before recording it", uuid, step)
+
     def _retain(self) -> None:
         """Apply the experiment config's checkpoint retention to a local-style run (a master
         applies its own); a failure is logged, never fatal to training."""
@@ -228,7 +250,7 @@ class LabSession:
         from det_lab.runs import retention
 
         layout = VolumeLayout.from_settings(self.settings)
-        root = self.checkpoint_dir or layout.experiment_checkpoints(self.identity.project, self.identity.exp_conf)
+        root = self._checkpoint_root()
         try:
             outcome = retention.retain(self.record, layout, self.identity.project, root)
         except Exception as exc:  # noqa: BLE001 (retention must never stop a trial)
