@@ -13,7 +13,7 @@ from pathlib import Path
 def write_sendmail(program: Path, mail_dir: Path) -> Path:
     """Write the stand-in to ``program`` (executable), delivering into ``mail_dir`` (made)."""
     mail_dir.mkdir(parents=True, exist_ok=True)
-    name = f"{mail_dir}/$$.$(date +%s%N)"
-    program.write_text(f"#!/bin/sh\ncat > {name}.part && mv {name}.part {name}.eml\n")
+    program.write_text(f"#!/bin/sh\nname={mail_dir}/$$.$(date +%s%N)\n"
+                       'cat > "$name.part" && mv "$name.part" "$name.eml"\n')
     program.chmod(0o755)
     return program
