@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from det_lab.runs.fence import (
     ATTEMPT_ENV,
@@ -27,6 +28,9 @@ from det_lab.runs.fence import (
     read_attempt,
     sweep_unrecorded,
 )
+from tests.conftest import VENV_BIN, tiny_data_lab
+
+TINY = Path(__file__).parent / "fixtures" / "tiny"
 
 # a stand-in for a trial's chief: it writes a line per "step" to the run's file after the fence's
 # check, as LabSession checks before each metric, checkpoint and record write
@@ -243,3 +247,73 @@ def test_the_next_attempt_removes_only_the_complete_checkpoints_an_older_attempt
     assert not orphan.exists() and all((k / "state_dict.pth").exists() for k in keep)
     assert sweep_unrecorded(tmp_path, "vla/run-1", 1, []) == []  # a first attempt has no older one
     assert sweep_unrecorded(tmp_path / "missing", "vla/run-1", 3, []) == []
+
+
+# Slurm's driver takes the run's attempt before it starts the trial (det_lab/slurm/job.py,
+# _take_attempt): here the trial's first Python process does it (its children inherit the token).
+# Then the other node takes the next attempt right after this copy's last check before a
+# checkpoint's metadata.json: the moment the cut-off test on the multi-host bed once caught.
+TAKEOVER = """
+import os
+from pathlib import Path
+from det_lab.runs.fence import ATTEMPT_ENV, begin_attempt
+from det_lab.runs.identity import LOCAL_RUN_ENV
+
+if LOCAL_RUN_ENV in os.environ and ATTEMPT_ENV not in os.environ:
+    os.environ[ATTEMPT_ENV] = begin_attempt(Path(os.environ[LOCAL_RUN_ENV]).parent, "7", 0, "node-a").env_value
+if LOCAL_RUN_ENV in os.environ:
+    from det_lab.trials import session
+
+    written, seen = session.LabSession.checkpoint_written, []
+
+    def checkpoint_written(self, path):
+        written(self, path)
+        seen.append(path)
+        if len(seen) == 2:
+            begin_attempt(self.record.dir, "7", 1, "node-b")
+
+    session.LabSession.checkpoint_written = checkpoint_written
+"""
+
+
+def test_a_checkpoint_a_stale_copy_completed_but_never_recorded_is_removed_by_the_next_attempt(tmp_path):
+    """Attempt 1 (a real trial, Determined's checkpoint code) writes its second checkpoint while
+    attempt 2 is taken: Determined writes its metadata.json, the pointer check finds the copy stale
+    and it stops (code 76), the checkpoint complete and named by no record. Attempt 2 resumes, removes
+    it (one log line) and trains to the end; the checkpoint attempt 1 recorded stays."""
+    lab = tiny_data_lab(tmp_path)
+    conf = yaml.safe_load((TINY / "const.yaml").read_text())
+    conf["min_checkpoint_period"] = {"batches": 10}
+    conf["data"]["det_lab"]["max_length"] = {"batches": 30}
+    config = tmp_path / "takeover.yaml"
+    config.write_text(yaml.safe_dump(conf))
+    run_dir = lab.root / "outputs" / "vla" / "local-runs" / "takeover"
+    plug = tmp_path / "plug"
+    plug.mkdir()
+    (plug / "sitecustomize.py").write_text(TAKEOVER)
+
+    def run(*extra: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(VENV_BIN / "det-lab"), "run", str(TINY), "--local", "--exp-config", str(config),
+                               "--run", "takeover", *extra], env={**lab.env, **env},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    stale = run(PYTHONPATH=str(plug))
+    log = (run_dir / "train.log").read_text() if (run_dir / "train.log").exists() else stale.stdout + stale.stderr
+    assert "attempt 1 of this run is stale: attempt 2 (job 7, restart 1) on node-b took over" in log, log
+    ckpts = lab.root / "checkpoints" / "vla"
+    metas = {p.name: json.loads((p / "metadata.json").read_text()) for p in ckpts.iterdir()}
+    recorded = [c["uuid"] for c in json.loads((run_dir / "run.json").read_text())["checkpoints"]]
+    (orphan,) = set(metas) - set(recorded)
+    assert metas[orphan]["steps_completed"] == 20 and metas[orphan]["det_lab"]["attempt"] == 1
+    assert [metas[u]["steps_completed"] for u in recorded] == [10]
+
+    current = read_attempt(run_dir)
+    assert current is not None and current.epoch == 2
+    resumed = run("--resume", **{ATTEMPT_ENV: current.env_value})
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    log = (run_dir / "train.log").read_text()
+    assert f"removed checkpoint {orphan} (step 20): an older attempt of this run wrote it" in log
+    st = json.loads((run_dir / "run.json").read_text())
+    assert st["status"] == "finished" and [c["step"] for c in st["checkpoints"]] == [10, 20, 30]
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted(c["uuid"] for c in st["checkpoints"])
+    assert st["checkpoints"][0]["uuid"] == recorded[0]
