@@ -3,6 +3,7 @@ uses the run's recorded tracker, replayed steps are kept once, two processes sha
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -315,6 +316,49 @@ def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
         assert serve.returncode == 0 and err == "", out + err
         assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
     finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split():
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_stop_that_comes_while_the_server_is_slow_to_answer_its_start_up_check_is_not_lost(lab, tmp_path):
+    """SIGTERM while serve waits on MLflow's first answer (here the server is frozen with SIGSTOP the
+    moment it listens, so serve's health check hangs in its 2 s time-out): serve stops the server
+    and exits 0. Before, the check's error handler swallowed the exit the signal handler raised,
+    and serve waited on its server for ever (a CI run's SIGTERM test, 2026-12-06)."""
+    from det_lab.tracking.mlflow_server import free_port
+
+    def listening() -> bool:  # a connection attempt: a bind here could take the port from the server
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return True
+        return False
+
+    port = free_port()
+    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    group = None
+    try:
+        deadline = time.monotonic() + 120
+        while not listening():
+            assert serve.poll() is None and time.monotonic() < deadline
+            time.sleep(0.002)
+        group = os.getpgid(int(subprocess.run(["pgrep", "-f", "--", f"server --host 127.0.0.1 --port {port}"],
+                                              capture_output=True, text=True).stdout.split()[0]))
+        os.killpg(group, signal.SIGSTOP)  # listening, and answering nothing
+        time.sleep(0.5)  # serve's next health check is under way (one every 0.3 s) and hangs
+        serve.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        os.killpg(group, signal.SIGCONT)
+        out, err = serve.communicate(timeout=60)
+        assert serve.returncode == 0 and err == "", out + err
+        assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
+    finally:
+        if group is not None:
+            with contextlib.suppress(OSError):
+                os.killpg(group, signal.SIGCONT)
         if serve.poll() is None:
             serve.kill()
             serve.wait()

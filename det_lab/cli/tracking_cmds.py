@@ -74,7 +74,7 @@ def serve(
     import socket
     from urllib.parse import urlsplit
 
-    from det_lab.tracking.mlflow_server import MlflowServer, MlflowServerError, port_in_use
+    from det_lab.tracking.mlflow_server import MlflowServer, MlflowServerError, StopRequest, port_in_use
     from det_lab.tracking.targets import default_local_uri, default_mlflow_store
 
     settings = state(ctx).settings
@@ -97,16 +97,10 @@ def serve(
     shown = store_uri or f"sqlite:///{root / 'mlflow.db'}"
     console.print(f"MLflow at {server.uri}, store {shown}, artifacts {artifacts}; Ctrl-C stops it", highlight=False)
 
-    def stop(signum: int, frame: object) -> None:  # noqa: ARG001 (signal handler signature)
-        raise typer.Exit(0)  # the finally below stops the server (not here: wait() holds its lock)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    stopping = StopRequest()  # a signal only asks; the server stops in serve's own time
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.set())
+    signal.signal(signal.SIGINT, lambda signum, frame: stopping.set())
     try:
-        try:
-            server.start()
-        except MlflowServerError as exc:
-            fail(f"mlflow server did not start: {str(exc).splitlines()[0]} (log: {root / 'server.log'})")
-        server.proc.wait()
-    finally:
-        server.stop()
+        server.serve(stopping)
+    except MlflowServerError as exc:
+        fail(f"mlflow server did not start: {str(exc).splitlines()[0]} (log: {root / 'server.log'})")

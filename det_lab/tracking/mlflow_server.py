@@ -63,6 +63,21 @@ def port_in_use(host: str, port: int) -> bool:
     return False
 
 
+class StopRequest:
+    """A stop asked for by a signal handler: a plain flag. (Raised from the handler, an exit can be
+    swallowed by the code it interrupts; a ``threading.Event`` set there can deadlock on its own
+    lock, held by the code it interrupts.)"""
+
+    def __init__(self) -> None:
+        self._asked = False
+
+    def set(self) -> None:
+        self._asked = True
+
+    def is_set(self) -> bool:
+        return self._asked
+
+
 @dataclass
 class MlflowServer:
     """``mlflow server`` with its store under ``root``; ``stop()`` then ``start()`` keeps the data."""
@@ -94,7 +109,9 @@ class MlflowServer:
             argv += ["--allowed-hosts", ",".join(get_default_allowed_hosts() + names)]  # MLflow's own, and ours
         return argv
 
-    def start(self, timeout: float = 180.0) -> MlflowServer:
+    def start(self, timeout: float = 180.0, cancel: StopRequest | None = None) -> MlflowServer:
+        """Start the server and return once it answers; once ``cancel`` is set, stop it and return."""
+        cancel = cancel or StopRequest()
         self.root.mkdir(parents=True, exist_ok=True)
         log = open(self.root / "server.log", "ab")
         self.proc = subprocess.Popen(self.command(), stdout=log, stderr=log, start_new_session=True,
@@ -103,14 +120,26 @@ class MlflowServer:
                                           # pool with the server: det_lab runs no MLflow jobs
                                           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"})
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not cancel.is_set():
             if self.proc.poll() is not None:
                 raise MlflowServerError(f"mlflow server exited: {(self.root / 'server.log').read_text()[-2000:]}")
             if http_answers(f"{self.uri}/health", timeout=2)[0]:
                 return self
             time.sleep(0.3)
         self.stop()
+        if cancel.is_set():
+            return self
         raise MlflowServerError(f"mlflow server did not answer within {timeout} s (log: {self.root / 'server.log'})")
+
+    def serve(self, stop: StopRequest) -> None:
+        """Start the server and keep it until ``stop`` is set (by a signal handler: a stop asked for
+        at any moment, start-up included, is never lost) or it exits; then stop it."""
+        try:
+            self.start(cancel=stop)
+            while self.proc is not None and self.proc.poll() is None and not stop.is_set():
+                time.sleep(0.3)
+        finally:
+            self.stop()
 
     def stop(self) -> None:
         """Kill the server and its workers at once (an outage, not a graceful shutdown)."""
