@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -251,23 +252,45 @@ def _status_for_host(port: int, host: str) -> int:
         return exc.code
 
 
+def _on_port(port: int, what: str = "") -> list[int]:
+    """The processes whose command line names ``<what>--port <port>``: serve, and the server it started."""
+    found = subprocess.run(["pgrep", "-f", "--", f"{what}--port {port}"], capture_output=True, text=True).stdout
+    return [int(pid) for pid in found.split()]
+
+
+@contextlib.contextmanager
+def _serving(lab, tmp_path: Path, port: int) -> Iterator[subprocess.Popen]:
+    """``det-lab tracking serve --port <port>`` over the store local runs write under ``tmp_path``;
+    afterwards whatever it left running is killed (a serve that failed to stop leaves its server
+    behind: not for the next tests to find)."""
+    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
+    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
+                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield serve
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+        for pid in _on_port(port):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "ctrl-c"])
 def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, monkeypatch, stop):
     from det_lab.tracking.mlflow_backend import MlflowBackend
     from det_lab.tracking.mlflow_server import free_port
 
-    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
     # the name the lab's cluster tasks reach it by (det_lab/cluster/render.py tracking_problems asks for one)
     lab.write_config(tracking={"backend": "mlflow", "mlflow_uri": "http://gpu-box-1:5000"})
     with monkeypatch.context() as patch:
-        patch.setenv("XDG_DATA_HOME", env["XDG_DATA_HOME"])  # where a local run (no tracking URI) writes
+        patch.setenv("XDG_DATA_HOME", str(tmp_path / "xdg-data"))  # where a local run (no tracking URI) writes
         backend = MlflowBackend()
         run_id = backend.open(run_info("local-run"), None)
         backend.close("FINISHED")
     port = free_port()
-    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
-                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _serving(lab, tmp_path, port) as serve:
         client = MlflowClient(f"http://127.0.0.1:{port}")
         deadline = time.monotonic() + 240
         while True:
@@ -285,16 +308,7 @@ def test_serve_shows_local_runs_and_stops_its_server_on_a_signal(lab, tmp_path, 
         serve.send_signal(stop)  # conftest leaves SIGINT at its default in children, as in a terminal
         out, err = serve.communicate(timeout=90)  # the server's own stop waits up to 30 s on its killed workers
         assert serve.returncode == 0 and err == "" and "Ctrl-C stops it" in out, out + err
-        server_pids = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
-        assert server_pids == []
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-            # a serve that failed to stop leaves its server behind: not for the next tests to find
-            leftover = subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split()
-            for pid in leftover:
-                os.kill(int(pid), signal.SIGKILL)
+        assert _on_port(port) == []
 
 
 def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
@@ -303,24 +317,15 @@ def test_ctrl_c_while_the_server_starts_stops_it_cleanly(lab, tmp_path):
     from det_lab.tracking.mlflow_server import free_port
 
     port = free_port()
-    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
-    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
-                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
+    with _serving(lab, tmp_path, port) as serve:
         deadline = time.monotonic() + 60
-        while not subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True).stdout.split()[1:]:
+        while not _on_port(port)[1:]:
             assert serve.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         serve.send_signal(signal.SIGINT)  # the server process exists; it answers seconds later
         out, err = serve.communicate(timeout=90)  # the server's own stop waits up to 30 s on its killed workers
         assert serve.returncode == 0 and err == "", out + err
-        assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
-    finally:
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-        for pid in subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split():
-            os.kill(int(pid), signal.SIGKILL)
+        assert _on_port(port) == []
 
 
 def test_a_stop_that_comes_while_the_server_is_slow_to_answer_its_start_up_check_is_not_lost(lab, tmp_path):
@@ -336,34 +341,26 @@ def test_a_stop_that_comes_while_the_server_is_slow_to_answer_its_start_up_check
         return False
 
     port = free_port()
-    env = {**lab.env, "XDG_DATA_HOME": str(tmp_path / "xdg-data")}
-    serve = subprocess.Popen([str(Path(sys.executable).parent / "det-lab"), "tracking", "serve", "--port", str(port)],
-                             env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     group = None
-    try:
-        deadline = time.monotonic() + 120
-        while not listening():
-            assert serve.poll() is None and time.monotonic() < deadline
-            time.sleep(0.002)
-        group = os.getpgid(int(subprocess.run(["pgrep", "-f", "--", f"server --host 127.0.0.1 --port {port}"],
-                                              capture_output=True, text=True).stdout.split()[0]))
-        os.killpg(group, signal.SIGSTOP)  # listening, and answering nothing
-        time.sleep(0.5)  # serve's next health check is under way (one every 0.3 s) and hangs
-        serve.send_signal(signal.SIGTERM)
-        time.sleep(0.5)
-        os.killpg(group, signal.SIGCONT)
-        out, err = serve.communicate(timeout=60)
-        assert serve.returncode == 0 and err == "", out + err
-        assert subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout == ""
-    finally:
-        if group is not None:
-            with contextlib.suppress(OSError):
-                os.killpg(group, signal.SIGCONT)
-        if serve.poll() is None:
-            serve.kill()
-            serve.wait()
-        for pid in subprocess.run(["pgrep", "-f", "--", f"--port {port}"], capture_output=True, text=True).stdout.split():
-            os.kill(int(pid), signal.SIGKILL)
+    with _serving(lab, tmp_path, port) as serve:
+        try:
+            deadline = time.monotonic() + 120
+            while not listening():
+                assert serve.poll() is None and time.monotonic() < deadline
+                time.sleep(0.002)
+            group = os.getpgid(_on_port(port, "server --host 127.0.0.1 ")[0])
+            os.killpg(group, signal.SIGSTOP)  # listening, and answering nothing
+            time.sleep(0.5)  # serve's next health check is under way (one every 0.3 s) and hangs
+            serve.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            os.killpg(group, signal.SIGCONT)
+            out, err = serve.communicate(timeout=60)
+            assert serve.returncode == 0 and err == "", out + err
+            assert _on_port(port) == []
+        finally:
+            if group is not None:
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGCONT)
 
 
 def test_a_port_chosen_for_a_server_is_out_of_reach_of_outgoing_connections():

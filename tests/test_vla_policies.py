@@ -103,10 +103,6 @@ def written(offline, tmp_path_factory) -> Path:
     return _write(tmp_path_factory.mktemp("lerobot") / "dataset", camera=True)
 
 
-def _theirs(root: Path, cfg: Any) -> Any:
-    return lerobot_reader(root, "local/policies", cfg)
-
-
 def _ours(root: Path, kind: str, total_steps: int = 10):
     """det_lab's training of ``SPECS[kind]`` on det_lab's reader, seeded as LeRobot's loop is."""
     from lerobot.utils.random_utils import set_seed
@@ -136,7 +132,7 @@ def test_batches_equal_lerobots_items(written, kind):
     cfg = make_config(parse_policy(SPECS[kind]), "cpu")
     frames = LeRobotDataset(written)
     ours = PolicyFrames(frames, delta_indices(cfg, dataset_meta(frames)))
-    theirs = _theirs(written, cfg)
+    theirs = lerobot_reader(written, "local/policies", cfg)
     assert len(ours) == len(theirs) == sum(LENGTHS)
     padded = 0
     for i in range(len(theirs)):

@@ -166,20 +166,17 @@ def _lerobot_steps(root: Path) -> tuple[list[float], dict[str, Any]]:
     import dataclasses
 
     from lerobot.configs.policies import PreTrainedConfig
-    from lerobot.datasets.factory import resolve_delta_timestamps
-    from lerobot.datasets.lerobot_dataset import LeRobotDataset, LeRobotDatasetMetadata
     from lerobot.policies.factory import make_policy, make_pre_post_processors
     from lerobot.utils.random_utils import set_seed
 
-    from tests.lerobot_loop import collate, lerobot_steps
+    from tests.lerobot_loop import collate, lerobot_reader, lerobot_steps
 
     set_seed(SEED)
     keys = {k: v for k, v in FINE_TUNE.items() if k not in ("name", "pretrained", "rename_map")}
     rename_map = dict(FINE_TUNE["rename_map"])  # lerobot-train's --rename_map
     cfg = dataclasses.replace(PreTrainedConfig.from_pretrained(BASE_ID), device="cpu", **keys)
     cfg.pretrained_path = BASE_ID
-    meta = LeRobotDatasetMetadata("local/smolvla", root=root)
-    dataset = LeRobotDataset("local/smolvla", root=root, delta_timestamps=resolve_delta_timestamps(cfg, meta))
+    dataset = lerobot_reader(root, "local/smolvla", cfg)
     policy = make_policy(cfg=cfg, ds_meta=dataset.meta, rename_map=rename_map)
     stats = dataset.meta.stats
     preprocessor, _ = make_pre_post_processors(
