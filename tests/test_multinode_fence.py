@@ -220,13 +220,15 @@ def test_the_record_is_published_by_the_current_attempt_only(tmp_path):
 
 
 def _checkpoint(root: Path, uuid: str, lab: dict | None, step: int = 50) -> Path:
-    """A checkpoint directory as Determined's ``store_path`` leaves it: the files, then
-    ``metadata.json`` with det_lab's lineage under ``det_lab`` (None: the files only, mid-write)."""
+    """A checkpoint directory as Determined 0.38.1's ``store_path`` leaves it
+    (harness/determined/core/_checkpoint.py:519-523: the trial's files in the storage manager's
+    directory, then ``_write_metadata_file``, :704-707, ``json.dump(metadata, f, indent=2)``), with
+    det_lab's lineage under ``det_lab`` (None: the files only, mid-write)."""
     path = root / uuid
     path.mkdir(parents=True)
     (path / "state_dict.pth").write_bytes(b"weights")
     if lab is not None:
-        (path / "metadata.json").write_text(json.dumps({"steps_completed": step, "det_lab": lab}))
+        (path / "metadata.json").write_text(json.dumps({"steps_completed": step, "det_lab": lab}, indent=2))
     return path
 
 
@@ -241,7 +243,9 @@ def test_the_next_attempt_removes_only_the_complete_checkpoints_an_older_attempt
             _checkpoint(tmp_path, "other-run", {"run_key": "vla/run-2", "attempt": 1}),
             _checkpoint(tmp_path, "being-written", None),  # no metadata.json: maybe another run's, mid-write
             _checkpoint(tmp_path, "older-det-lab", run),  # no attempt recorded: not known to be stale
-            _checkpoint(tmp_path, "damaged", {**run, "attempt": "one"})]
+            _checkpoint(tmp_path, "damaged", {**run, "attempt": "one"}),
+            _checkpoint(tmp_path, "truncated", None)]
+    (keep[-1] / "metadata.json").write_text(json.dumps({"steps_completed": 50, "det_lab": {**run, "attempt": 1}})[:40])
     (tmp_path / "linked").symlink_to(orphan)
     assert sweep_unrecorded(tmp_path, "vla/run-1", 2, ["recorded"]) == [("orphan", 50)]
     assert not orphan.exists() and all((k / "state_dict.pth").exists() for k in keep)
@@ -252,7 +256,9 @@ def test_the_next_attempt_removes_only_the_complete_checkpoints_an_older_attempt
 # Slurm's driver takes the run's attempt before it starts the trial (det_lab/slurm/job.py,
 # _take_attempt): here the trial's first Python process does it (its children inherit the token).
 # Then the other node takes the next attempt right after this copy's last check before a
-# checkpoint's metadata.json: the moment the cut-off test on the multi-host bed once caught.
+# checkpoint's metadata.json (det_lab's checkpoint_written, run as Determined's store_path resumes
+# after its yield and before _write_metadata_file: harness/determined/core/_checkpoint.py:522-523):
+# the moment the cut-off test on the multi-host bed once caught.
 TAKEOVER = """
 import os
 from pathlib import Path
